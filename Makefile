@@ -1,0 +1,30 @@
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.PHONY: setup train test test-slow tables clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+train: setup
+	$(PY) train.py $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(ARGS)
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow $(ARGS)
+
+tables: setup
+	$(PY) scripts/make_tables.py
+
+clean:
+	rm -rf $(VENV) outputs multirun

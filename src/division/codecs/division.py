@@ -1,0 +1,113 @@
+"""DIVISION's dual-precision codec (Wang et al., 2022).
+
+x (N, C, H, W) -> LFC = average over B x B blocks (kept in bf16 by default) and
+HFC = x - upsample_nearest(LFC as stored), quantized to ``hfc_bits`` per (sample, channel) with
+stochastic rounding. A last partial block averages what it covers; a side shorter than B shrinks the block.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from division.codecs.quant import Bf16Copy, Packed, QuantizedTensor, check_bits, quantize_per_row
+
+LFC_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def lfc_blocks(height: int, width: int, block: int):
+    """Block height and width for a map: B, shrunk to the side where the side is shorter."""
+    return min(block, height), min(block, width)
+
+
+def block_average(x: torch.Tensor, block_hw) -> torch.Tensor:
+    """Average over non-overlapping blocks; a partial last block averages only what it covers."""
+    bh, bw = block_hw
+    if bh == 1 and bw == 1:
+        return x
+    return F.avg_pool2d(x, (bh, bw), stride=(bh, bw), ceil_mode=True, count_include_pad=False)
+
+
+def upsample_blocks(lfc: torch.Tensor, block_hw, height: int, width: int) -> torch.Tensor:
+    """Nearest upsampling of block averages back to (height, width), cropping the partial last block."""
+    bh, bw = block_hw
+    if bh == 1 and bw == 1:
+        return lfc
+    n, c, hb, wb = lfc.shape
+    up = lfc[:, :, :, None, :, None].expand(n, c, hb, bh, wb, bw).reshape(n, c, hb * bh, wb * bw)
+    return up[:, :, :height, :width]
+
+
+@dataclass(eq=False)
+class DivisionPacked(Packed):
+    lfc: torch.Tensor
+    hfc: QuantizedTensor
+    block_hw: tuple
+    shape: torch.Size
+    dtype: torch.dtype
+    bad_index: Optional[torch.Tensor] = None
+    bad_value: Optional[torch.Tensor] = None
+    kind = "division"
+
+    def tensors(self):
+        return [self.lfc, *self.hfc.tensors(), self.bad_index, self.bad_value]
+
+    def decode(self) -> torch.Tensor:
+        n, c, h, w = self.shape
+        x = self.hfc.decode().float().view(n, c, h, w) + upsample_blocks(self.lfc.float(), self.block_hw, h, w)
+        if self.bad_index is not None:
+            x.view(-1)[self.bad_index] = self.bad_value.float()
+        return x.to(self.dtype)
+
+
+class DivisionCodec:
+    """Encoder for 4-D maps. Maps with a 1x1 spatial size, fewer than ``min_numel`` elements, or so small
+    that LFC plus HFC plus statistics would take as many bytes as bf16, are held in bf16."""
+
+    def __init__(self, block_size: int = 8, hfc_bits: int = 2, lfc_dtype: str = "bf16", min_numel: int = 0,
+                 stochastic: bool = True):
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size={block_size!r} is invalid; it must be an integer >= 1 (paper: 8)")
+        if lfc_dtype not in LFC_DTYPES:
+            raise ValueError(f"lfc_dtype={lfc_dtype!r} is invalid; valid choices: {list(LFC_DTYPES)}")
+        if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
+            raise ValueError(f"min_numel={min_numel!r} is invalid; it must be an integer >= 0")
+        self.block_size = block_size
+        self.hfc_bits = check_bits(hfc_bits, "hfc_bits")
+        self.lfc_dtype = LFC_DTYPES[lfc_dtype]
+        self.min_numel = min_numel
+        self.stochastic = stochastic
+
+    def encode(self, x: torch.Tensor) -> Packed:
+        if x.dim() != 4:
+            raise ValueError(f"DivisionCodec expects (N, C, H, W); got shape {tuple(x.shape)}")
+        n, c, h, w = x.shape
+        block_hw = lfc_blocks(h, w, self.block_size)
+        if h * w == 1 or x.numel() < self.min_numel or self.map_nbytes(h, w) >= 2 * h * w:
+            return Bf16Copy.encode(x)
+        xf = x.float()
+        lfc = self._lfc(xf, block_hw)
+        bad_index = bad_value = None
+        if not bool(torch.isfinite(lfc).all()):
+            # A NaN or Inf would spread over its whole block through the LFC: keep such elements exactly
+            # and compress the rest as if they were zero.
+            finite = torch.isfinite(xf)
+            bad_index = (~finite).reshape(-1).nonzero().squeeze(1)
+            bad_value = xf.reshape(-1)[bad_index].to(x.dtype)
+            xf = torch.where(finite, xf, torch.zeros((), device=xf.device))
+            lfc = self._lfc(xf, block_hw)
+        hfc = xf - upsample_blocks(lfc.float(), block_hw, h, w)
+        q = quantize_per_row(hfc.reshape(n * c, h * w), self.hfc_bits, self.stochastic)
+        return DivisionPacked(lfc, q, block_hw, x.shape, x.dtype, bad_index, bad_value)
+
+    def map_nbytes(self, height: int, width: int) -> float:
+        """Bytes DIVISION holds per (sample, channel) map: LFC, packed HFC, fp32 minimum and scale."""
+        bh, bw = lfc_blocks(height, width, self.block_size)
+        lfc = -(-height // bh) * -(-width // bw) * self.lfc_dtype.itemsize
+        return lfc + height * width * self.hfc_bits / 8 + 8
+
+    def _lfc(self, xf: torch.Tensor, block_hw) -> torch.Tensor:
+        lfc = block_average(xf, block_hw)
+        if self.lfc_dtype == torch.float16:
+            lfc = lfc.clamp(-65504.0, 65504.0)
+        return lfc.to(self.lfc_dtype).contiguous()

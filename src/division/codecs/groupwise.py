@@ -1,0 +1,82 @@
+"""Plain quantizers without an LFC: ActNN-style groups, per-(sample, channel) rows, BLPA's per-layer range."""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from division.codecs.quant import Bf16Copy, Packed, QuantizedTensor, check_bits, quantize_per_row
+
+
+@dataclass(eq=False)
+class ReshapedQuantized(Packed):
+    """A quantized tensor whose rows came from a reshaped (and possibly padded) view of the activation."""
+
+    q: QuantizedTensor
+    shape: torch.Size
+    numel: int
+    kind = "quantized"
+
+    def tensors(self):
+        return self.q.tensors()
+
+    def decode(self) -> torch.Tensor:
+        return self.q.decode().reshape(-1)[: self.numel].view(self.shape)
+
+
+class GroupwiseCodec:
+    """ActNN's L2 level (Chen et al., 2021): each sample's activation, flattened, is cut into groups of
+    ``group_size`` contiguous elements; every group gets its own minimum and range; stochastic rounding."""
+
+    def __init__(self, bits: int = 2, group_size: int = 256, stochastic: bool = True):
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size={group_size!r} is invalid; it must be an integer >= 1 (ActNN: 256)")
+        self.bits = check_bits(bits)
+        self.group_size = group_size
+        self.stochastic = stochastic
+
+    def encode(self, x: torch.Tensor) -> Packed:
+        n = x.shape[0] if x.dim() > 1 else 1
+        flat = x.reshape(n, -1)
+        pad = (-flat.shape[1]) % self.group_size
+        if pad:
+            flat = F.pad(flat, (0, pad))
+        q = quantize_per_row(flat.reshape(-1, self.group_size), self.bits, self.stochastic)
+        return ReshapedQuantized(q, x.shape, x.numel())
+
+
+class PerChannelCodec:
+    """A plain per-(sample, channel) quantizer: DIVISION without its LFC, at the same bits (an ablation)."""
+
+    def __init__(self, bits: int = 2, stochastic: bool = True, min_numel: int = 0):
+        self.bits = check_bits(bits)
+        self.stochastic = stochastic
+        self.min_numel = min_numel
+
+    def encode(self, x: torch.Tensor) -> Packed:
+        if x.dim() != 4:
+            raise ValueError(f"PerChannelCodec expects (N, C, H, W); got shape {tuple(x.shape)}")
+        n, c, h, w = x.shape
+        if h * w == 1 or x.numel() < self.min_numel or h * w * self.bits / 8 + 8 >= 2 * h * w:
+            return Bf16Copy.encode(x)
+        q = quantize_per_row(x.reshape(n * c, h * w), self.bits, self.stochastic)
+        return ReshapedQuantized(q, x.shape, x.numel())
+
+
+class BlpaCodec:
+    """BLPA (Chakrabarti & Moseley, 2019): the forward pass is exact and the copy kept for backward is a
+    K-bit fixed-point approximation with one scale per layer.
+
+    Choices made here where the paper leaves room: the layer's range is the current batch's minimum and
+    maximum of the tensor (one scale per layer and step, so nothing is clipped); rounding is to the nearest
+    level (deterministic), as in fixed-point approximation; the same codec serves every covered layer kind
+    (the paper approximates the batch-norm/ReLU outputs that feed convolutions).
+    """
+
+    def __init__(self, bits: int = 4, stochastic: bool = False):
+        self.bits = check_bits(bits)
+        self.stochastic = stochastic
+
+    def encode(self, x: torch.Tensor) -> Packed:
+        xf = x.reshape(1, -1)
+        q = quantize_per_row(xf, self.bits, self.stochastic)
+        return ReshapedQuantized(q, x.shape, x.numel())

@@ -1,0 +1,179 @@
+"""Row-wise stochastic b-bit quantization and the small exact containers (bit masks, bf16 copies).
+
+A row is the unit that shares one minimum and one scale: a (sample, channel) map for DIVISION's HFC, a
+group of 256 contiguous elements for ActNN-style quantization, a whole layer for BLPA.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from division.codecs.packing import pack_bits, packed_nbytes, unpack_bits
+
+VALID_BITS = (1, 2, 4, 8)
+
+
+def check_bits(bits, what: str = "bits") -> int:
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in VALID_BITS:
+        raise ValueError(f"{what}={bits!r} is not supported; valid choices: {list(VALID_BITS)}")
+    return bits
+
+
+def storage_key(t: torch.Tensor):
+    return (t.device.type, t.device.index, t.untyped_storage().data_ptr())
+
+
+def unique_nbytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a view counts its whole storage, once)."""
+    seen = {}
+    for t in tensors:
+        if t is None:
+            continue
+        seen.setdefault(storage_key(t), t.untyped_storage().nbytes())
+    return sum(seen.values())
+
+
+class Packed:
+    """A compressed activation: what it holds, how many bytes, how to get the tensor back."""
+
+    kind = "packed"
+
+    def tensors(self):
+        raise NotImplementedError
+
+    def decode(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        return unique_nbytes(self.tensors())
+
+
+@dataclass(eq=False)
+class QuantizedTensor(Packed):
+    """Codes of shape (rows, row_len) packed to ``bits`` bits, with a float32 minimum and scale per row.
+
+    Non-finite inputs (rare) are kept exactly as (flat index, value) pairs so that the codec never turns a
+    finite value into NaN and never loses an Inf or NaN that was there.
+    """
+
+    packed: torch.Tensor
+    minimum: torch.Tensor
+    scale: torch.Tensor
+    bits: int
+    rows: int
+    row_len: int
+    dtype: torch.dtype
+    bad_index: Optional[torch.Tensor] = None
+    bad_value: Optional[torch.Tensor] = None
+    kind = "quantized"
+
+    def tensors(self):
+        return [self.packed, self.minimum, self.scale, self.bad_index, self.bad_value]
+
+    def decode(self) -> torch.Tensor:
+        codes = unpack_bits(self.packed, self.bits, self.rows * self.row_len).view(self.rows, self.row_len)
+        x = torch.addcmul(self.minimum.unsqueeze(1), codes.float(), self.scale.unsqueeze(1))
+        if self.bad_index is not None:
+            x.view(-1)[self.bad_index] = self.bad_value.float()
+        return x.to(self.dtype)
+
+
+def quantize_per_row(x2d: torch.Tensor, bits: int, stochastic: bool = True,
+                     minimum: Optional[torch.Tensor] = None, maximum: Optional[torch.Tensor] = None,
+                     generator: Optional[torch.Generator] = None) -> QuantizedTensor:
+    """Quantize each row of a 2-D tensor to ``bits`` bits between its minimum and maximum.
+
+    Stochastic rounding (floor(v + u), u ~ U[0,1)) makes the decoded value unbiased. A constant row has
+    scale 0 and decodes exactly. ``minimum``/``maximum`` (one per row) override the row statistics; values
+    outside them are clamped (BLPA's fixed per-layer range uses this).
+    """
+    rows, row_len = x2d.shape
+    levels = (1 << bits) - 1
+    xf = x2d.float()
+    bad_index = bad_value = None
+    if minimum is None or maximum is None:
+        mn, mx = torch.aminmax(xf, dim=1)
+    else:
+        mn, mx = minimum.float().expand(rows).clone(), maximum.float().expand(rows).clone()
+    if not bool(torch.isfinite(mn).all() and torch.isfinite(mx).all()):
+        finite = torch.isfinite(xf)
+        bad_index = (~finite).view(-1).nonzero().squeeze(1)
+        bad_value = xf.view(-1)[bad_index].to(x2d.dtype)
+        inf = torch.tensor(float("inf"), device=xf.device)
+        mn = torch.where(finite, xf, inf).amin(dim=1)
+        mx = torch.where(finite, xf, -inf).amax(dim=1)
+        no_finite = ~torch.isfinite(mn)
+        mn = torch.where(no_finite, torch.zeros_like(mn), mn)
+        mx = torch.where(no_finite, torch.zeros_like(mx), mx)
+        xf = torch.where(finite, xf, mn.unsqueeze(1))
+    scale = (mx - mn) / levels
+    inv_scale = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    v = (xf - mn.unsqueeze(1)) * inv_scale.unsqueeze(1)
+    if stochastic:
+        v = v + torch.rand(v.shape, device=v.device, generator=generator)
+        v = v.floor_()
+    else:
+        v = v.round_()
+    codes = v.clamp_(0, levels).to(torch.uint8)
+    return QuantizedTensor(pack_bits(codes, bits), mn.contiguous(), scale.contiguous(), bits, rows, row_len,
+                           x2d.dtype, bad_index, bad_value)
+
+
+@dataclass(eq=False)
+class BitMask(Packed):
+    """An exact boolean mask, one bit per element (ReLU's x > 0, dropout's keep mask)."""
+
+    packed: torch.Tensor
+    shape: torch.Size
+    kind = "mask"
+
+    @classmethod
+    def encode(cls, mask: torch.Tensor) -> "BitMask":
+        return cls(pack_bits(mask.reshape(-1).to(torch.uint8), 1), mask.shape)
+
+    def tensors(self):
+        return [self.packed]
+
+    def decode(self) -> torch.Tensor:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return unpack_bits(self.packed, 1, n).view(self.shape).bool()
+
+
+@dataclass(eq=False)
+class Bf16Copy(Packed):
+    """A tensor too small to be worth compressing, held in bfloat16."""
+
+    data: torch.Tensor
+    dtype: torch.dtype
+    kind = "bf16"
+
+    @classmethod
+    def encode(cls, x: torch.Tensor) -> "Bf16Copy":
+        return cls(x.to(torch.bfloat16).contiguous() if x.dtype != torch.bfloat16 else x, x.dtype)
+
+    def tensors(self):
+        return [self.data]
+
+    def decode(self) -> torch.Tensor:
+        return self.data.to(self.dtype)
+
+
+@dataclass(eq=False)
+class FullCopy(Packed):
+    """The activation itself, uncompressed (full precision): a reference, not a copy."""
+
+    data: torch.Tensor
+    kind = "full"
+
+    def tensors(self):
+        return [self.data]
+
+    def decode(self) -> torch.Tensor:
+        return self.data
+
+
+def expected_quantized_nbytes(rows: int, row_len: int, bits: int) -> int:
+    """Analytic size of a :class:`QuantizedTensor` with finite input: packed codes plus fp32 min and scale."""
+    return packed_nbytes(rows * row_len, bits) + 8 * rows

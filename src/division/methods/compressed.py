@@ -1,0 +1,82 @@
+"""Methods that keep compressed copies of activations through the saving policy (DIVISION, ActNN-style,
+BLPA, the per-channel ablation). They differ only in which codec keeps which tensor."""
+import torch
+import torch.nn as nn
+
+from division import compress
+from division.codecs import Bf16Copy, BlpaCodec, DivisionCodec, GroupwiseCodec, PerChannelCodec
+from division.methods.base import Method
+
+EXACT_KINDS = ("relu", "maxpool", "dropout", "avgpool")
+
+
+class PolicyMethod(Method):
+    """A method defined by a codec per tensor; ReLU/dropout masks, max-pool indices and average pools are
+    exact in all of them."""
+
+    def __init__(self, name=None, layers=compress.LAYER_KINDS, reuse_relu_mask: bool = False):
+        super().__init__(name)
+        self.layers = compress.check_layer_kinds(layers)
+        self.policy = compress.SavePolicy(self.choose, self.layers, reuse_relu_mask)
+
+    def choose(self, kind: str, x: torch.Tensor):
+        raise NotImplementedError
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        self.covered = compress.install(model, self.policy)
+        return model
+
+    def policy_records(self):
+        return self.policy.records
+
+    def ids(self):
+        return self.policy.ids
+
+
+class Division(PolicyMethod):
+    """DIVISION: block-average LFC in bf16 plus a b-bit per-(sample, channel) HFC. With ``lfc=False`` it is
+    the plain per-channel quantizer at the same bits (the ablation that asks what the LFC buys)."""
+
+    name = "division"
+
+    def __init__(self, name=None, block_size: int = 8, hfc_bits: int = 2, lfc_dtype: str = "bf16",
+                 min_numel: int = 0, lfc: bool = True, reuse_relu_mask: bool = False,
+                 layers=compress.LAYER_KINDS, stochastic: bool = True):
+        if lfc:
+            self.codec = DivisionCodec(block_size, hfc_bits, lfc_dtype, min_numel, stochastic)
+        else:
+            self.codec = PerChannelCodec(hfc_bits, stochastic, min_numel)
+        super().__init__(name, layers, reuse_relu_mask)
+        self.notes = ["maps with 1x1 spatial size, fewer than min_numel elements, or not 4-D are held in bf16"]
+
+    def choose(self, kind, x):
+        if x.dim() == 4:
+            return self.codec.encode(x)
+        return Bf16Copy.encode(x)
+
+
+class ActNN(PolicyMethod):
+    """ActNN's L2 level: groups of ``group_size`` contiguous elements per sample, per-group range."""
+
+    name = "actnn"
+
+    def __init__(self, name=None, bits: int = 2, group_size: int = 256, layers=compress.LAYER_KINDS,
+                 stochastic: bool = True):
+        self.codec = GroupwiseCodec(bits, group_size, stochastic)
+        super().__init__(name, layers)
+
+    def choose(self, kind, x):
+        return self.codec.encode(x)
+
+
+class Blpa(PolicyMethod):
+    """BLPA: exact forward, K-bit copies with one scale per layer for backward (see BlpaCodec)."""
+
+    name = "blpa"
+
+    def __init__(self, name=None, bits: int = 4, layers=compress.LAYER_KINDS, stochastic: bool = False):
+        self.codec = BlpaCodec(bits, stochastic)
+        super().__init__(name, layers)
+
+    def choose(self, kind, x):
+        return self.codec.encode(x)

@@ -1,0 +1,128 @@
+"""Baselines that trade time for memory without changing values: activation checkpointing and swapping."""
+import contextlib
+import types
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from division.compress import TensorIds
+from division.methods.base import Method, frozen_batchnorm_stats
+
+GRANULARITIES = ("stage", "block")
+
+
+def _segments(model: nn.Module, granularity: str):
+    """Stages: the outermost nn.Sequential containers with two or more children (ResNet's layer1..4,
+    DenseNet's features). Blocks: the children of those stages."""
+    stages = []
+
+    def visit(m):
+        for child in m.children():
+            if isinstance(child, nn.Sequential) and len(child) >= 2:
+                stages.append(child)
+            else:
+                visit(child)
+    visit(model)
+    if granularity == "stage":
+        return stages
+    return [block for stage in stages for block in stage.children()]
+
+
+class Checkpoint(Method):
+    """torch.utils.checkpoint (non-reentrant) over stages or blocks: only each segment's input is held,
+    and the segment's forward is recomputed in backward."""
+
+    name = "checkpoint"
+
+    def __init__(self, name=None, granularity: str = "stage"):
+        super().__init__(name)
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity={granularity!r} is invalid; valid choices: {list(GRANULARITIES)}")
+        self.granularity = granularity
+        self._inputs = {}
+        self._ids = TensorIds()
+
+    def prepare(self, model):
+        segments = _segments(model, self.granularity)
+        if not segments:
+            raise ValueError(f"{type(model).__name__} has no nn.Sequential stages to checkpoint")
+        method = self
+
+        def begin(mod, args):
+            method._inputs, method._ids = {}, TensorIds()
+
+        for seg in segments:
+            plain = type(seg).forward
+
+            def forward(self, x, _plain=plain):
+                if not (method.enabled and self.training and torch.is_grad_enabled()):
+                    return _plain(self, x)
+                key = method._ids(x)
+                method._inputs.setdefault(key, (x.untyped_storage().nbytes(), x.numel() * x.element_size()))
+                ctx = (lambda m=self: (contextlib.nullcontext(), frozen_batchnorm_stats(m)))
+                return checkpoint(_plain, self, x, use_reentrant=False, context_fn=ctx)
+            seg.forward = types.MethodType(forward, seg)
+            self.covered.append(type(seg).__name__)
+        model.register_forward_pre_hook(begin)
+        self.notes = [f"{len(segments)} {self.granularity} segments recomputed in backward; held = their inputs "
+                      "plus what autograd keeps outside them"]
+        return model
+
+    def ids(self):
+        return self._ids
+
+    def policy_records(self):
+        from division.compress import SaveRecord
+        return [SaveRecord("segment input", "checkpoint", "full", (), fp, [(key[:3], nbytes)], fp_key=key)
+                for key, (nbytes, fp) in self._inputs.items()]
+
+
+class Swap(Method):
+    """Saved activations go to pinned host memory during forward and come back in backward
+    (torch.autograd.graph.save_on_cpu). On a CPU-only machine this moves nothing: it is plain training,
+    and the report says so."""
+
+    name = "swap"
+
+    def __init__(self, name=None, pin_memory: bool = True):
+        super().__init__(name)
+        self.pin_memory = pin_memory
+        self._device_type = "cpu"
+        self._host_bytes = 0
+
+    def prepare(self, model):
+        params = list(model.parameters())
+        self._device_type = params[0].device.type if params else "cpu"
+        if self._device_type == "cpu":
+            self.notes = ["swap is a no-op on CPU: activations already live in host memory"]
+            return model
+        state = {}
+
+        def enter(mod, args):
+            if mod.training and torch.is_grad_enabled():
+                ctx = torch.autograd.graph.save_on_cpu(pin_memory=self.pin_memory)
+                to_host = ctx.pack_hook
+                self._host_bytes = 0
+
+                def pack(t):
+                    packed = to_host(t)
+                    if not isinstance(t, torch.nn.Parameter):
+                        self._host_bytes += t.numel() * t.element_size()
+                    return packed
+                ctx.pack_hook = pack
+                state["ctx"] = ctx
+                ctx.__enter__()
+
+        def leave(mod, args, out):
+            ctx = state.pop("ctx", None)
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
+        model.register_forward_pre_hook(enter)
+        model.register_forward_hook(leave)
+        self.notes = ["saved activations live in pinned host memory; act_mem_bytes counts device bytes only, "
+                      "act_mem_host_bytes what went to the host"]
+        return model
+
+    def host_bytes(self) -> int:
+        return self._host_bytes

@@ -1,0 +1,210 @@
+"""The Hydra entry point: compose config -> data, model, method -> epochs -> result.json."""
+import os
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from division import data as data_lib
+from division import dist, engine, loggers, methods, models, results
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
+
+
+def run_id_for(cfg: DictConfig, cfg_hash: str) -> str:
+    if cfg.get("run_id"):
+        return str(cfg.run_id)
+    return f"{cfg.data.name}-{cfg.model.name}-{cfg.method.name}-s{cfg.seed}-{cfg_hash}"
+
+
+def pick_device(name: str, info: dist.DistInfo) -> torch.device:
+    valid = ("auto", "cpu", "cuda")
+    if name not in valid:
+        raise ValueError(f"trainer.device={name!r} is invalid; valid choices: {list(valid)}")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("trainer.device=cuda but no CUDA device is available; use trainer.device=cpu")
+        torch.cuda.set_device(info.local_rank)
+        return torch.device("cuda", info.local_rank)
+    return torch.device("cpu")
+
+
+def seed_everything(seed: int):
+    import random
+    import numpy as np
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _save_checkpoint(path: Path, payload: dict):
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def run(cfg: DictConfig) -> dict:
+    """Train one configuration; returns the result dict that was written."""
+    info = dist.from_env()
+    device = pick_device(cfg.trainer.device, info)
+    dist.init(info, device)
+    if int(cfg.trainer.get("threads", 0)) > 0:
+        torch.set_num_threads(int(cfg.trainer.threads))
+    amp = cfg.trainer.amp
+    if amp not in engine.AMP_DTYPES:
+        raise ValueError(f"trainer.amp={amp!r} is invalid; valid choices: {list(engine.AMP_DTYPES)}")
+    if amp == "fp16" and device.type != "cuda":
+        raise ValueError("trainer.amp=fp16 needs CUDA; on CPU use trainer.amp=bf16")
+
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    cfg_hash = results.config_hash(resolved)
+    run_dir = Path(cfg.paths.runs_dir) / str(cfg.experiment) / run_id_for(cfg, cfg_hash)
+    result_path, ckpt_path = run_dir / "result.json", run_dir / "checkpoint.pt"
+    if cfg.get("skip_done") and result_path.exists():
+        previous = results.read_json(result_path)
+        if previous.get("status") == "ok":
+            if info.is_main:
+                print(f"skip: {result_path} already ok (top1 {previous.get('top1')})")
+            return previous
+
+    seed_everything(int(cfg.seed))
+    train_loader, test_loader, data_info = data_lib.build(cfg.data, int(cfg.seed), info.rank, info.world_size)
+    model = models.create_model(cfg.model.name, num_classes=int(cfg.model.num_classes),
+                                pretrained=bool(cfg.model.get("pretrained", False)))
+    if cfg.trainer.get("sync_bn") and info.enabled:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = model.to(device)
+    if cfg.trainer.get("channels_last"):
+        model = model.to(memory_format=torch.channels_last)
+    method = methods.build(cfg.method)
+    method.prepare(model)
+    train_model = model
+    if info.enabled:
+        train_model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+    global_batch = int(cfg.data.batch_size) * info.world_size
+    optimizer, lr = engine.build_optimizer(model, cfg.optim, global_batch)
+    epochs, max_steps = int(cfg.trainer.epochs), int(cfg.trainer.max_steps)
+    scheduler = engine.build_scheduler(optimizer, cfg.optim, len(train_loader), epochs, max_steps)
+    scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
+    state = engine.StepState(device, amp, float(cfg.optim.get("grad_clip", 0.0)),
+                             float(cfg.optim.get("label_smoothing", 0.0)), max_steps,
+                             progress=bool(cfg.trainer.progress), scaler=scaler, dist_info=info)
+
+    sha, dirty = results.git_state()
+    result = {
+        "status": "running", "experiment": str(cfg.experiment), "run_id": run_dir.name,
+        "data": cfg.data.name, "model": cfg.model.name, "method": cfg.method.name, "seed": int(cfg.seed),
+        "config_hash": cfg_hash, "config": resolved, "epochs": [], "top1": None, "best_top1": None,
+        "throughput_img_s": None, "peak_mem_bytes": None, "act_mem_bytes": None, "act_mem_fp_bytes": None,
+        "act_compression": None, "lr": lr, "global_batch": global_batch, "world_size": info.world_size,
+        "train_size": data_info.train_size, "test_size": data_info.test_size,
+        "git_sha": sha, "git_dirty": dirty, "versions": results.versions(),
+        "device": results.device_description(device), "wall_time_s": 0.0,
+    }
+    start_epoch = 0
+    if cfg.get("resume") and ckpt_path.exists():
+        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        if scaler is not None and ckpt.get("scaler"):
+            scaler.load_state_dict(ckpt["scaler"])
+        torch.set_rng_state(ckpt["rng_cpu"])
+        if device.type == "cuda" and ckpt.get("rng_cuda") is not None:
+            torch.cuda.set_rng_state(ckpt["rng_cuda"], device)
+        start_epoch, state.global_step = int(ckpt["epoch"]), int(ckpt["global_step"])
+        result["epochs"] = ckpt["epochs"]
+        result["wall_time_s"] = float(ckpt.get("wall_time_s", 0.0))
+        if result["epochs"]:
+            result["best_top1"] = max(e["top1"] for e in result["epochs"] if e.get("top1") is not None)
+        if info.is_main:
+            print(f"resume: {ckpt_path} at epoch {start_epoch}, step {state.global_step}")
+
+    logger = loggers.build(cfg.logger, resolved, run_dir.name, info.is_main)
+    t_start = time.perf_counter() - result["wall_time_s"]
+
+    def write(status):
+        result["status"] = status
+        result["wall_time_s"] = round(time.perf_counter() - t_start, 3)
+        if info.is_main:
+            results.write_json(result_path, result)
+            results.write_jsonl(run_dir / "metrics.jsonl", result["epochs"])
+
+    try:
+        for epoch in range(start_epoch, epochs):
+            if state.done:
+                break
+            metrics = engine.train_one_epoch(train_model, method, train_loader, optimizer, scheduler, state, epoch)
+            report = metrics.pop("_report", None)
+            if report is not None and info.is_main and epoch == start_epoch:
+                results.write_json(run_dir / "memory_layers.json", {"summary": report.summary(), "layers": report.layers})
+            if (epoch + 1) % int(cfg.trainer.get("eval_every", 1)) == 0 or epoch == epochs - 1 or state.done:
+                metrics.update(engine.evaluate(train_model, test_loader, state))
+            metrics = {"epoch": epoch + 1, "global_step": state.global_step, **metrics,
+                       "lr": optimizer.param_groups[0]["lr"]}
+            result["epochs"].append(metrics)
+            for key in ("top1", "throughput_img_s", "peak_mem_bytes", "act_mem_bytes", "act_mem_fp_bytes",
+                        "act_compression"):
+                if metrics.get(key) is not None:
+                    result[key] = metrics[key]
+            tops = [e["top1"] for e in result["epochs"] if e.get("top1") is not None]
+            result["best_top1"] = max(tops) if tops else None
+            logger.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=state.global_step)
+            if info.is_main:
+                print(engine_line(metrics), flush=True)
+                if cfg.trainer.get("checkpoint", True):
+                    run_dir.mkdir(parents=True, exist_ok=True)
+                    _save_checkpoint(ckpt_path, {
+                        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler else None,
+                        "rng_cpu": torch.get_rng_state(),
+                        "rng_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+                        "epoch": epoch + 1, "global_step": state.global_step, "epochs": result["epochs"],
+                        "wall_time_s": time.perf_counter() - t_start})
+            write("running")
+        write("ok")
+    except torch.cuda.OutOfMemoryError:
+        write("oom")
+        raise
+    except KeyboardInterrupt:
+        write("interrupted")
+        raise
+    except BaseException:
+        write("error")
+        raise
+    finally:
+        logger.summary({k: result[k] for k in ("top1", "best_top1", "throughput_img_s", "peak_mem_bytes",
+                                               "act_mem_bytes", "act_compression")})
+        logger.finish()
+        dist.barrier()
+    if info.is_main:
+        print(f"done: {result_path}\n  top1 {result['top1']:.2f}%  best {result['best_top1']:.2f}%  "
+              f"throughput {result['throughput_img_s']:.1f} img/s  peak memory {result['peak_mem_bytes'] / 2**20:.0f} MiB"
+              f"  activations {result['act_mem_bytes'] / 2**20:.2f} MiB held vs "
+              f"{result['act_mem_fp_bytes'] / 2**20:.2f} MiB full precision ({result['act_compression']:.2f}x)")
+    return result
+
+
+def engine_line(m: dict) -> str:
+    import json
+    return json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items()
+                       if not isinstance(v, (dict, list))})
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
+def main(cfg: DictConfig):
+    try:
+        run(cfg)
+    except data_lib.DataNotFoundError as err:
+        raise SystemExit(f"error: {err}") from None
+    finally:
+        dist.cleanup()
+
+
+if __name__ == "__main__":
+    main()
