@@ -9,7 +9,7 @@ from typing import Any, Dict
 
 import torch
 
-HASH_IGNORED = ("seed", "paths", "logger", "resume", "skip_done", "run_id", "experiment")
+HASH_IGNORED = ("seed", "paths", "logger", "resume", "skip_done", "run_id", "exp_name")
 
 
 def write_json(path, obj: Any) -> None:

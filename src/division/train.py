@@ -62,7 +62,7 @@ def run(cfg: DictConfig) -> dict:
 
     resolved = OmegaConf.to_container(cfg, resolve=True)
     cfg_hash = results.config_hash(resolved)
-    run_dir = Path(cfg.paths.runs_dir) / str(cfg.experiment) / run_id_for(cfg, cfg_hash)
+    run_dir = Path(cfg.paths.runs_dir) / str(cfg.exp_name) / run_id_for(cfg, cfg_hash)
     result_path, ckpt_path = run_dir / "result.json", run_dir / "checkpoint.pt"
     if cfg.get("skip_done") and result_path.exists():
         previous = results.read_json(result_path)
@@ -97,7 +97,7 @@ def run(cfg: DictConfig) -> dict:
 
     sha, dirty = results.git_state()
     result = {
-        "status": "running", "experiment": str(cfg.experiment), "run_id": run_dir.name,
+        "status": "running", "experiment": str(cfg.exp_name), "run_id": run_dir.name,
         "data": cfg.data.name, "model": cfg.model.name, "method": cfg.method.name, "seed": int(cfg.seed),
         "config_hash": cfg_hash, "config": resolved, "epochs": [], "top1": None, "best_top1": None,
         "throughput_img_s": None, "peak_mem_bytes": None, "act_mem_bytes": None, "act_mem_fp_bytes": None,

@@ -2,7 +2,6 @@
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from division.codecs.quant import Bf16Copy, Packed, QuantizedTensor, check_bits, quantize_per_row
 
@@ -13,14 +12,15 @@ class ReshapedQuantized(Packed):
 
     q: QuantizedTensor
     shape: torch.Size
-    numel: int
+    samples: int = 1  # the padding (if any) sits at the end of each sample's flattened row
     kind = "quantized"
 
     def tensors(self):
         return self.q.tensors()
 
     def decode(self) -> torch.Tensor:
-        return self.q.decode().reshape(-1)[: self.numel].view(self.shape)
+        per_sample = self.shape.numel() // self.samples if self.samples else 0
+        return self.q.decode().reshape(self.samples, -1)[:, :per_sample].reshape(self.shape)
 
 
 class GroupwiseCodec:
@@ -38,10 +38,10 @@ class GroupwiseCodec:
         n = x.shape[0] if x.dim() > 1 else 1
         flat = x.reshape(n, -1)
         pad = (-flat.shape[1]) % self.group_size
-        if pad:
-            flat = F.pad(flat, (0, pad))
+        if pad:  # repeat the last element, so padding never widens a group's range
+            flat = torch.cat([flat, flat[:, -1:].expand(n, pad)], dim=1)
         q = quantize_per_row(flat.reshape(-1, self.group_size), self.bits, self.stochastic)
-        return ReshapedQuantized(q, x.shape, x.numel())
+        return ReshapedQuantized(q, x.shape, n)
 
 
 class PerChannelCodec:
@@ -59,7 +59,7 @@ class PerChannelCodec:
         if h * w == 1 or x.numel() < self.min_numel or h * w * self.bits / 8 + 8 >= 2 * h * w:
             return Bf16Copy.encode(x)
         q = quantize_per_row(x.reshape(n * c, h * w), self.bits, self.stochastic)
-        return ReshapedQuantized(q, x.shape, x.numel())
+        return ReshapedQuantized(q, x.shape)
 
 
 class BlpaCodec:
@@ -79,4 +79,4 @@ class BlpaCodec:
     def encode(self, x: torch.Tensor) -> Packed:
         xf = x.reshape(1, -1)
         q = quantize_per_row(xf, self.bits, self.stochastic)
-        return ReshapedQuantized(q, x.shape, x.numel())
+        return ReshapedQuantized(q, x.shape)

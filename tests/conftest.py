@@ -1,0 +1,34 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = str(ROOT / "configs")
+sys.path.insert(0, str(ROOT / "src"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def compose(overrides=(), config_name="train"):
+    from hydra import compose as hydra_compose, initialize_config_dir
+    with initialize_config_dir(version_base="1.3", config_dir=CONFIG_DIR):
+        return hydra_compose(config_name=config_name, overrides=list(overrides), return_hydra_config=False)
+
+
+def run_train(overrides, tmp_path):
+    """Compose and run one training job on CPU with no logging into ``tmp_path``."""
+    from division.train import run
+    cfg = compose(["trainer.device=cpu", "logger=none", "trainer.progress=false",
+                   f"paths.root_dir={tmp_path}", *overrides])
+    return run(cfg)
+
+
+@pytest.fixture
+def real_data_dir():
+    data_dir = os.environ.get("DATA_DIR")
+    if not data_dir or not (Path(data_dir) / "cifar10_jpeg.tar.gz").exists():
+        pytest.skip("DATA_DIR is unset or holds no cifar10_jpeg.tar.gz: set DATA_DIR=../shared/datasets "
+                    "to run the real CIFAR-10 tests")
+    return Path(data_dir)

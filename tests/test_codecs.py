@@ -1,0 +1,131 @@
+import math
+
+import pytest
+import torch
+
+from division.codecs import (BitMask, BlpaCodec, DivisionCodec, GroupwiseCodec, PerChannelCodec, pack_bits,
+                             packed_nbytes, unpack_bits)
+from division.codecs.division import block_average, upsample_blocks
+from division.codecs.quant import expected_quantized_nbytes, quantize_per_row
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("numel", [1, 7, 64, 1001])
+def test_pack_roundtrip_and_size(bits, numel):
+    codes = torch.randint(0, 1 << bits, (numel,), dtype=torch.uint8)
+    packed = pack_bits(codes, bits)
+    assert packed.dtype == torch.uint8
+    assert packed.numel() == packed_nbytes(numel, bits) == math.ceil(numel * bits / 8)
+    assert torch.equal(unpack_bits(packed, bits, numel), codes)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_quantized_size_is_analytic_and_error_within_one_step(bits):
+    x = torch.randn(12, 300)
+    q = quantize_per_row(x, bits)
+    assert q.nbytes() == expected_quantized_nbytes(12, 300, bits)
+    step = (x.amax(1) - x.amin(1)) / ((1 << bits) - 1)
+    err = (q.decode() - x).abs()
+    assert (err <= step.unsqueeze(1) * (1 + 1e-5) + 1e-6).all()
+
+
+def test_division_packed_size_is_analytic():
+    x = torch.randn(3, 5, 32, 32)
+    p = DivisionCodec(block_size=8, hfc_bits=2).encode(x)
+    lfc = 3 * 5 * 4 * 4 * 2  # bf16 block averages
+    hfc = 3 * 5 * 32 * 32 * 2 // 8  # 4 codes per byte
+    stats = 3 * 5 * 8  # fp32 minimum and scale per (sample, channel)
+    assert p.nbytes() == lfc + hfc + stats
+    assert p.nbytes() < x.numel() * x.element_size() / 10
+
+
+def test_division_unbiased():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 16, 16)
+    codec = DivisionCodec(block_size=4, hfc_bits=2)
+    draws = 400
+    mean = sum(codec.encode(x).decode() for _ in range(draws)) / draws
+    single = (codec.encode(x).decode() - x).pow(2).mean().sqrt()
+    bias = (mean - x).pow(2).mean().sqrt()
+    # the error of a mean of n unbiased draws shrinks like 1/sqrt(n); a biased codec's would not
+    assert bias < 3 * single / math.sqrt(draws)
+
+
+@pytest.mark.parametrize("codec", [DivisionCodec(), GroupwiseCodec(), PerChannelCodec(), BlpaCodec(bits=8)])
+def test_roundtrip_error_within_one_step_of_range(codec):
+    torch.manual_seed(1)
+    x = torch.randn(2, 4, 20, 20)
+    y = codec.encode(x).decode()
+    assert y.shape == x.shape and y.dtype == x.dtype
+    span = (x.amax() - x.amin()).item() * 2
+    assert (y - x).abs().max().item() <= span
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 13, 17), (2, 3, 5, 3), (1, 4, 1, 1), (2, 2, 7, 1030), (1, 1, 9, 9),
+                                   (1, 2, 8, 24)])
+def test_division_shapes(shape):
+    x = torch.randn(shape)
+    p = DivisionCodec(block_size=8, hfc_bits=8).encode(x)
+    y = p.decode()
+    assert y.shape == x.shape
+    assert (y - x).abs().max() < 0.05 * x.abs().max() + 1e-3
+
+
+def test_partial_blocks_average_what_they_cover():
+    x = torch.arange(2 * 10 * 11, dtype=torch.float32).view(1, 2, 10, 11)
+    lfc = block_average(x, (8, 8))
+    assert lfc.shape == (1, 2, 2, 2)
+    assert torch.allclose(lfc[0, 0, 1, 1], x[0, 0, 8:, 8:].mean())
+    assert torch.allclose(lfc[0, 1, 0, 1], x[0, 1, :8, 8:].mean())
+    up = upsample_blocks(lfc, (8, 8), 10, 11)
+    assert up.shape == x.shape and torch.equal(up[0, 0, 9, 10], lfc[0, 0, 1, 1])
+
+
+def test_channels_last_and_noncontiguous():
+    x = torch.randn(2, 3, 16, 16)
+    for variant in (x.to(memory_format=torch.channels_last), x.transpose(2, 3), x[:, :, ::2, ::2]):
+        y = DivisionCodec(hfc_bits=8).encode(variant).decode()
+        assert torch.allclose(y, variant, atol=0.05)
+
+
+def test_constant_channels_exact_and_nonfinite_kept():
+    x = torch.full((2, 3, 8, 8), 3.25)
+    for codec in (DivisionCodec(), GroupwiseCodec(), PerChannelCodec(), BlpaCodec()):
+        assert torch.equal(codec.encode(x).decode(), x)
+    x = torch.randn(2, 3, 16, 16)
+    x[0, 0, 0, 0] = float("nan")
+    x[1, 2, 5, 5] = float("inf")
+    x[1, 1, 3, 3] = float("-inf")
+    for codec in (DivisionCodec(), GroupwiseCodec(), PerChannelCodec(), BlpaCodec()):
+        y = codec.encode(x).decode()
+        assert torch.isnan(y).sum() == 1 and torch.isnan(y[0, 0, 0, 0])
+        assert y[1, 2, 5, 5] == float("inf") and y[1, 1, 3, 3] == float("-inf")
+        finite = torch.isfinite(x)
+        assert torch.isfinite(y[finite]).all()
+
+
+@pytest.mark.parametrize("kwargs", [{"hfc_bits": 3}, {"hfc_bits": 0}, {"hfc_bits": 16}, {"block_size": 0},
+                                    {"lfc_dtype": "int8"}])
+def test_bad_division_config(kwargs):
+    with pytest.raises(ValueError, match="valid|must be"):
+        DivisionCodec(**kwargs)
+
+
+def test_bitmask_exact():
+    m = torch.rand(3, 5, 7) > 0.5
+    bm = BitMask.encode(m)
+    assert bm.nbytes() == math.ceil(m.numel() / 8)
+    assert torch.equal(bm.decode(), m)
+
+
+@pytest.mark.parametrize("codec", [GroupwiseCodec(bits=8), PerChannelCodec(bits=8), BlpaCodec(bits=8),
+                                   DivisionCodec(hfc_bits=8)])
+@pytest.mark.parametrize("shape", [(3, 4, 20, 20), (5, 37), (1, 2, 7, 9)])
+def test_eight_bit_roundtrip_is_close_for_every_layout(codec, shape):
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    if x.dim() != 4 and not isinstance(codec, (GroupwiseCodec, BlpaCodec)):
+        pytest.skip("per-channel codecs take 4-D maps")
+    y = codec.encode(x).decode()
+    assert y.shape == x.shape
+    assert (y - x).abs().max() <= (x.max() - x.min()) / 255 * 1.01

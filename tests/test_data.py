@@ -1,0 +1,98 @@
+import pickle
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import compose
+from division import data as data_lib
+from division.data.arrays import DataNotFoundError, stratified_subset
+
+CLASSES = ["cat", "dog", "emu"]
+
+
+def _make_tree(root, per_class=4, size=8, fmt="png"):
+    rng = np.random.default_rng(0)
+    for split in ("train", "test"):
+        for cls in CLASSES:
+            folder = root / split / cls
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)).save(folder / f"{i:04d}.{fmt}")
+
+
+def _cfg(root, tmp_path, **extra):
+    overrides = [f"data.root={root}", "data.num_classes=3", "data.batch_size=4", "data.download=false",
+                 f"paths.root_dir={tmp_path}"] + [f"data.{k}={v}" for k, v in extra.items()]
+    return compose(overrides).data
+
+
+def test_class_folder_tree(tmp_path):
+    _make_tree(tmp_path / "cifar10")
+    train, test, info = data_lib.build(_cfg(tmp_path, tmp_path))
+    assert (info.train_size, info.test_size, info.num_classes) == (12, 12, 3)
+    x, y = next(iter(train))
+    assert x.shape == (4, 3, 8, 8) and x.dtype == torch.float32 and set(y.tolist()) <= {0, 1, 2}
+    assert sum(len(yb) for _, yb in test) == 12
+
+
+def test_tar_gz_and_cache(tmp_path):
+    src = tmp_path / "src"
+    _make_tree(src / "CIFAR-10-images", fmt="jpg")
+    archive = tmp_path / "cifar10_jpeg.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(src / "CIFAR-10-images", arcname="CIFAR-10-images")
+    cfg = _cfg(tmp_path, tmp_path, subset=2)
+    train, _, info = data_lib.build(cfg)
+    assert info.train_size == 6  # 2 per class, stratified
+    assert list((tmp_path / "data" / "cache").glob("*.x.npy"))
+    train2, _, _ = data_lib.build(cfg)  # second load: from the cache
+    assert torch.equal(train.images, train2.images)
+
+
+def test_cifar_pickles(tmp_path):
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        entry = {"data": rng.integers(0, 255, (6, 3072), dtype=np.uint8), "labels": [0, 1, 2, 0, 1, 2]}
+        with open(folder / name, "wb") as fh:
+            pickle.dump(entry, fh)
+    with open(folder / "batches.meta", "wb") as fh:
+        pickle.dump({"label_names": CLASSES}, fh)
+    train, test, info = data_lib.build(_cfg(tmp_path, tmp_path))
+    assert info.train_size == 30 and info.test_size == 6 and info.image_size == 32
+
+
+def test_missing_data_error_names_paths(tmp_path):
+    with pytest.raises(DataNotFoundError) as err:
+        data_lib.build(_cfg(tmp_path / "empty", tmp_path))
+    msg = str(err.value)
+    assert "Searched" in msg and "cifar10_jpeg.tar.gz" in msg and "DATA_DIR" in msg
+
+
+def test_stratified_subset():
+    labels = np.repeat(np.arange(5), 10)
+    idx = stratified_subset(labels, 3, seed=0)
+    assert np.bincount(labels[idx]).tolist() == [3] * 5
+
+
+def test_sharded_loader_disjoint(tmp_path):
+    _make_tree(tmp_path / "cifar10", per_class=8)
+    cfg = _cfg(tmp_path, tmp_path)
+    a, _, _ = data_lib.build(cfg, rank=0, world_size=2)
+    b, _, _ = data_lib.build(cfg, rank=1, world_size=2)
+    ia, ib = set(a._order().tolist()), set(b._order().tolist())
+    assert not ia & ib and len(ia | ib) == 24
+
+
+def test_real_cifar10_subset(real_data_dir, tmp_path):
+    cfg = compose([f"data.root={real_data_dir}", "data.subset=20", "data.batch_size=50",
+                   "data.test_subset=10"]).data
+    train, test, info = data_lib.build(cfg)
+    assert info.train_size == 200 and info.test_size == 100 and info.num_classes == 10
+    x, y = next(iter(train))
+    assert x.shape == (50, 3, 32, 32)
+    assert abs(x.mean().item()) < 0.5 and 0.5 < x.std().item() < 1.5

@@ -1,0 +1,59 @@
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import run_train
+
+SYN = ["data=synthetic", "model=resnet20", "data.batch_size=8", "data.train_size=32", "data.test_size=16"]
+
+
+def test_two_step_run_writes_result(tmp_path):
+    result = run_train(SYN + ["method=division", "trainer.max_steps=2"], tmp_path)
+    path = next(Path(tmp_path, "results", "runs", "default").glob("*/result.json"))
+    saved = json.loads(path.read_text())
+    assert saved["status"] == "ok" and result["status"] == "ok"
+    for key in ("config", "config_hash", "seed", "epochs", "top1", "best_top1", "throughput_img_s",
+                "peak_mem_bytes", "act_mem_bytes", "act_mem_fp_bytes", "act_compression", "git_sha",
+                "git_dirty", "versions", "device", "wall_time_s"):
+        assert key in saved, key
+    assert saved["epochs"][0]["global_step"] == 2
+    assert saved["act_compression"] > 5
+    assert (path.parent / "metrics.jsonl").read_text().count("\n") == 1
+    assert str(tmp_path) not in json.dumps(saved["config"]["data"])
+
+
+@pytest.mark.parametrize("method", ["fp", "division", "division_nolfc", "actnn", "blpa", "checkpoint", "swap"])
+def test_every_method_runs(tmp_path, method):
+    result = run_train(SYN + [f"method={method}", "trainer.max_steps=2"], tmp_path)
+    assert result["status"] == "ok" and result["act_mem_bytes"] > 0
+
+
+def test_resume_continues_epochs(tmp_path):
+    first = run_train(SYN + ["method=fp", "trainer.epochs=1"], tmp_path)
+    assert [e["epoch"] for e in first["epochs"]] == [1]
+    second = run_train(SYN + ["method=fp", "trainer.epochs=3", "resume=true"], tmp_path)
+    assert [e["epoch"] for e in second["epochs"]] == [1, 2, 3]
+    assert second["epochs"][1]["global_step"] == 2 * first["epochs"][0]["global_step"]
+
+
+def test_skip_done(tmp_path, capsys):
+    run_train(SYN + ["method=fp", "trainer.max_steps=1"], tmp_path)
+    again = run_train(SYN + ["method=fp", "trainer.max_steps=1", "skip_done=true"], tmp_path)
+    assert again["status"] == "ok"
+    assert "skip:" in capsys.readouterr().out
+
+
+def test_wandb_offline_writes_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    result = run_train(SYN + ["method=fp", "trainer.max_steps=1", "logger=wandb"], tmp_path)
+    assert result["status"] == "ok"
+    runs = list(Path(tmp_path, "outputs", "wandb").glob("offline-run-*"))
+    assert runs, "no offline W&B run directory"
+
+
+def test_bad_trainer_values(tmp_path):
+    with pytest.raises(ValueError, match="valid choices"):
+        run_train(SYN + ["trainer.amp=fp8"], tmp_path)
