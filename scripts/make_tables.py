@@ -1,0 +1,254 @@
+"""Regenerate results/tables/ (Markdown, LaTeX, CSV, PNG) from results/bench/ and results/runs/, with the
+paper's published numbers (results/reference/division_paper_numbers.json) beside ours.
+
+    python scripts/make_tables.py [--results results]
+"""
+import argparse
+import csv
+import json
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+METHOD_ORDER = ["fp", "checkpoint", "swap", "blpa", "actnn", "division", "division_nolfc"]
+PAPER_NAMES = {"fp": "vanilla", "checkpoint": "checkpoint", "blpa": "blpa", "actnn": "actnn", "division": "division"}
+GB = 1024 ** 3
+MB = 1024 ** 2
+
+
+def _load(folder: Path):
+    out = []
+    for path in sorted(folder.rglob("*.json")) if folder.exists() else []:
+        try:
+            rec = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and "status" in rec:
+            rec["_path"] = str(path.relative_to(folder))
+            out.append(rec)
+    return out
+
+
+def _write_table(stem: Path, header, rows, caption: str):
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    with open(stem.with_suffix(".csv"), "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(header)
+        w.writerows(rows)
+    md = [f"{caption}\n", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    md += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    stem.with_suffix(".md").write_text("\n".join(md) + "\n")
+    esc = lambda s: str(s).replace("_", r"\_").replace("%", r"\%").replace("±", r"$\pm$")
+    tex = [r"\begin{table}[t]", r"\centering", rf"\caption{{{esc(caption)}}}",
+           r"\begin{tabular}{" + "l" * len(header) + "}", r"\toprule", " & ".join(esc(h) for h in header) + r" \\",
+           r"\midrule"] + [" & ".join(esc(c) for c in row) + r" \\" for row in rows] + [r"\bottomrule",
+                                                                                          r"\end{tabular}", r"\end{table}"]
+    stem.with_suffix(".tex").write_text("\n".join(tex) + "\n")
+    return "\n".join(md)
+
+
+def _methods(records):
+    found = {r["method"] for r in records}
+    return [m for m in METHOD_ORDER if m in found] + sorted(found - set(METHOD_ORDER))
+
+
+def memory_table(bench, paper, out: Path):
+    """(a) activation memory per method and batch, with the ratio to fp, beside the paper's GPU figures."""
+    texts = []
+    by_suite = defaultdict(list)
+    for r in bench:
+        by_suite[(r.get("suite", "?"), r.get("amp", "none"))].append(r)
+    for (suite, amp), recs in sorted(by_suite.items()):
+        if amp != "none":
+            continue
+        devices = sorted({r.get("device", "?") for r in recs if r.get("device")})
+        header = ["model", "batch", "method", "activation MiB", "fp-equivalent MiB", "ratio", "peak MiB",
+                  "paper act. GB (batch)", "paper ratio"]
+        rows = []
+        for model in sorted({r["model"] for r in recs}):
+            for batch in sorted({r["batch_size"] for r in recs if r["model"] == model}):
+                for method in _methods([r for r in recs if r["model"] == model]):
+                    rec = next((r for r in recs if r["model"] == model and r["batch_size"] == batch
+                                and r["method"] == method), None)
+                    p_act, p_ratio = _paper_memory(paper, model, method)
+                    if rec is None:
+                        rows.append([model, batch, method, "missing", "", "", "", p_act, p_ratio])
+                    elif rec["status"] != "ok":
+                        rows.append([model, batch, method, rec["status"], "", "", "", p_act, p_ratio])
+                    else:
+                        rows.append([model, batch, method, f"{rec['act_mem_bytes'] / MB:.1f}",
+                                     f"{rec['act_mem_fp_bytes'] / MB:.1f}", f"{rec['act_compression']:.2f}x",
+                                     f"{rec['peak_mem_bytes'] / MB:.0f}", p_act, p_ratio])
+        caption = (f"Activation memory held for backward, suite '{suite}' ({'; '.join(devices)}). Ratio = "
+                   f"full-precision-equivalent / held bytes. Paper: GPU, batch 64, activation GB and vanilla/method.")
+        texts.append(_write_table(out / f"memory_{suite}", header, rows, caption))
+        _plot_memory(recs, out / f"memory_{suite}.png", f"{suite}: {'; '.join(devices)}")
+    return texts
+
+
+def _paper_memory(paper, model, method):
+    mem = paper.get("activation_memory_gb", {}).get(model, {})
+    name = PAPER_NAMES.get(method)
+    if not mem or name not in mem or mem[name][0] is None:
+        return "", ""
+    return f"{mem[name][0]:.2f} (64)", f"{mem['vanilla'][0] / mem[name][0]:.1f}x"
+
+
+def throughput_table(bench, paper, out: Path):
+    """(b) throughput against batch size per model and method."""
+    ok = [r for r in bench if r["status"] == "ok"]
+    if not ok:
+        return []
+    header = ["suite", "model", "batch", "method", "amp", "img/s", "relative to fp", "paper img/s (batch 64)"]
+    rows = []
+    for r in sorted(ok, key=lambda r: (r.get("suite", ""), r["model"], r["batch_size"], _rank(r["method"]))):
+        fp = next((q for q in ok if q.get("suite") == r.get("suite") and q["model"] == r["model"] and
+                   q["batch_size"] == r["batch_size"] and q["method"] == "fp" and q.get("amp") == r.get("amp")), None)
+        rel = f"{r['throughput_img_s'] / fp['throughput_img_s']:.2f}" if fp else ""
+        pth = paper.get("throughput_images_per_s", {}).get(r["model"], {}).get(PAPER_NAMES.get(r["method"], ""), [None])
+        rows.append([r.get("suite", ""), r["model"], r["batch_size"], r["method"], r.get("amp", "none"),
+                     f"{r['throughput_img_s']:.2f}", rel, "" if pth[0] is None else f"{pth[0]:.0f}"])
+    text = _write_table(out / "throughput", header, rows,
+                        "Training throughput (median over timed steps, synthetic data on the device).")
+    _plot_throughput(ok, out / "throughput.png")
+    return [text]
+
+
+def _rank(method):
+    return METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER)
+
+
+def accuracy_table(runs, paper, out: Path):
+    """(c) accuracy per method: mean ± std over seeds, n, grouped by experiment, data and model."""
+    ok = [r for r in runs if r.get("status") == "ok" and r.get("top1") is not None]
+    if not ok:
+        return []
+    groups = defaultdict(list)
+    for r in ok:
+        groups[(r.get("experiment", "default"), r["data"], r["model"], r["method"])].append(r)
+    header = ["experiment", "data", "model", "method", "top-1 % (mean ± std)", "n", "gap to fp", "paper top-1 %"]
+    rows = []
+    fp_mean = {}
+    for (exp, data, model, method), recs in groups.items():
+        if method == "fp":
+            fp_mean[(exp, data, model)] = statistics.mean(r["top1"] for r in recs)
+    for (exp, data, model, method), recs in sorted(groups.items(), key=lambda kv: (kv[0][:3], _rank(kv[0][3]))):
+        vals = [r["top1"] for r in recs]
+        mean = statistics.mean(vals)
+        std = statistics.stdev(vals) if len(vals) > 1 else 0.0
+        gap = "" if (exp, data, model) not in fp_mean else f"{mean - fp_mean[(exp, data, model)]:+.2f}"
+        prow = paper.get("accuracy_top1_percent", {})
+        cols, prows = prow.get("columns", []), prow.get("rows", {})
+        pname = {"fp": "normal"}.get(method, method)
+        pval = ""
+        if f"{data}/{model}" in prows and pname in cols:
+            v = prows[f"{data}/{model}"][cols.index(pname)]
+            pval = "" if v is None else f"{v:.2f}"
+        rows.append([exp, data, model, method, f"{mean:.2f} ± {std:.2f}", len(vals), gap, pval])
+    text = _write_table(out / "accuracy", header, rows,
+                        "Test top-1 accuracy, mean ± std over seeds (n runs); gap = method mean - fp mean.")
+    _plot_accuracy_curves(ok, out / "accuracy_curves.png")
+    return [text]
+
+
+def max_batch_table(records, out: Path):
+    """(d) the largest batch per method under a memory budget."""
+    if not records:
+        return []
+    header = ["model", "method", "budget", "max batch", "ratio to fp", "device"]
+    rows = []
+    for r in sorted(records, key=lambda r: (r["model"], r.get("budget", ""), _rank(r["method"]))):
+        fp = next((q for q in records if q["model"] == r["model"] and q.get("budget") == r.get("budget")
+                   and q["method"] == "fp"), None)
+        ratio = f"{r['max_batch'] / fp['max_batch']:.2f}" if fp and fp.get("max_batch") else ""
+        rows.append([r["model"], r["method"], r.get("budget", ""), r.get("max_batch", r["status"]), ratio,
+                     r.get("device", "")])
+    return [_write_table(out / "max_batch", header, rows, "Largest trainable batch under a memory budget.")]
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _plot_memory(recs, path, title):
+    plt = _plt()
+    ok = [r for r in recs if r["status"] == "ok"]
+    models = sorted({r["model"] for r in ok})
+    if not models:
+        return
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.6), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for method in _methods([r for r in ok if r["model"] == model]):
+            pts = sorted((r["batch_size"], r["act_mem_bytes"] / MB) for r in ok if r["model"] == model and r["method"] == method)
+            ax.plot(*zip(*pts), marker="o", label=method)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("activation memory (MiB)")
+        ax.set_yscale("log")
+        ax.set_title(model)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_throughput(ok, path):
+    plt = _plt()
+    models = sorted({(r.get("suite", ""), r["model"]) for r in ok})
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.6), squeeze=False)
+    for ax, (suite, model) in zip(axes[0], models):
+        sel = [r for r in ok if r["model"] == model and r.get("suite", "") == suite]
+        for method in _methods(sel):
+            pts = sorted((r["batch_size"], r["throughput_img_s"]) for r in sel if r["method"] == method)
+            ax.plot(*zip(*pts), marker="o", label=method)
+        devices = sorted({r.get("device", "?") for r in sel})
+        ax.set_title(f"{model} ({suite})\n{'; '.join(devices)}", fontsize=7)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("images / s")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_accuracy_curves(ok, path):
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in _methods(ok):
+        for r in [r for r in ok if r["method"] == method]:
+            pts = [(e["epoch"], e["top1"]) for e in r["epochs"] if e.get("top1") is not None]
+            if pts:
+                ax.plot(*zip(*pts), label=f"{method} s{r['seed']}", alpha=0.8)
+    devices = sorted({r.get("device", "?") for r in ok})
+    ax.set_title("test top-1 vs epoch\n" + "; ".join(devices), fontsize=7)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("top-1 %")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--results", default=str(ROOT / "results"))
+    args = p.parse_args(argv)
+    res = Path(args.results)
+    out = res / "tables"
+    paper = json.loads((res / "reference" / "division_paper_numbers.json").read_text())
+    bench = [r for r in _load(res / "bench") if "batch_size" in r]
+    runs = [r for r in _load(res / "runs") if "epochs" in r]
+    maxb = [r for r in _load(res / "max_batch") if "max_batch" in r or r.get("status") != "ok"]
+    texts = memory_table(bench, paper, out) + throughput_table(bench, paper, out) + \
+        accuracy_table(runs, paper, out) + max_batch_table(maxb, out)
+    print("\n\n".join(texts) if texts else "no results found")
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

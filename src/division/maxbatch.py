@@ -1,0 +1,88 @@
+"""Largest batch that trains one step within a memory budget: doubling, then bisection.
+
+    python scripts/max_batch.py --model resnet50 --methods fp,division --budget 4GiB
+
+GPU: the budget is compared with CUDA max allocated. CPU: with the peak resident-memory growth of a fresh
+subprocess over one training step (model and optimizer state excluded, as they are there before).
+"""
+import argparse
+import re
+from pathlib import Path
+from typing import Callable
+
+from division import results
+
+UNITS = {"": 1, "B": 1, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9}
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in UNITS:
+        raise ValueError(f"budget={text!r} is invalid; use a number with a unit among {sorted(UNITS)[1:]}, e.g. 4GiB")
+    return int(float(m.group(1)) * UNITS[m.group(2).upper()])
+
+
+def find_max_batch(fits: Callable[[int], bool], start: int = 1, limit: int = 1 << 16) -> int:
+    """Largest b in [0, limit] with fits(b), assuming fits is monotone (True up to some b*, then False)."""
+    if not fits(start):
+        return 0
+    lo, hi = start, start * 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def main(argv=None):
+    from division.bench import ROOT, parse as bench_parse, run_one_subprocess
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="resnet50")
+    p.add_argument("--methods", default="fp,division")
+    p.add_argument("--budget", default="4GiB")
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--limit", type=int, default=4096)
+    p.add_argument("--out", default=str(ROOT / "results" / "max_batch"))
+    args = p.parse_args(argv)
+    budget = parse_bytes(args.budget)
+    out = Path(args.out)
+    for method in args.methods.split(","):
+        path = out / f"{args.model}_{method}_{args.budget}.json"
+        if path.exists():
+            print(f"skip {path.name} (exists)")
+            continue
+        tried = {}
+        bargs = bench_parse(["--image-size", str(args.image_size), "--steps", "1", "--warmup", "1",
+                             "--device", args.device, "--suite", "max_batch"])
+
+        def fits(batch: int) -> bool:
+            tmp = out / ".probe" / f"{args.model}_{method}_b{batch}.json"
+            tmp.unlink(missing_ok=True)
+            rec = run_one_subprocess(bargs, args.model, batch, method, tmp)
+            used = rec.get("peak_mem_growth_bytes") if rec["status"] == "ok" else None
+            tried[batch] = used
+            print(f"  {method} batch {batch}: {'oom/error' if used is None else f'{used / 2**20:.0f} MiB'}", flush=True)
+            return used is not None and used <= budget
+        best = find_max_batch(fits, 1, args.limit)
+        results.write_json(path, {"status": "ok", "model": args.model, "method": method, "budget": args.budget,
+                                  "budget_bytes": budget, "max_batch": best, "probes": tried,
+                                  "device": rec_device(out, args.model, method)})
+        print(f"{args.model} {method}: max batch {best} within {args.budget}")
+
+
+def rec_device(out, model, method):
+    for f in sorted((out / ".probe").glob(f"{model}_{method}_b*.json")):
+        dev = results.read_json(f).get("device")
+        if dev:
+            return dev
+    return None
+
+
+if __name__ == "__main__":
+    main()

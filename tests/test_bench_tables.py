@@ -1,0 +1,83 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from division.maxbatch import find_max_batch, parse_bytes
+
+
+@pytest.mark.parametrize("limit", [1, 5, 37, 64, 1000])
+def test_max_batch_search_finds_known_limit(limit):
+    calls = []
+
+    def fits(b):
+        calls.append(b)
+        return b <= limit
+    assert find_max_batch(fits, 1, 4096) == limit
+    assert len(calls) < 30
+
+
+def test_max_batch_none_fit():
+    assert find_max_batch(lambda b: False) == 0
+
+
+def test_parse_bytes():
+    assert parse_bytes("4GiB") == 4 * 2 ** 30 and parse_bytes("512 MiB") == 512 * 2 ** 20
+    with pytest.raises(ValueError, match="budget"):
+        parse_bytes("four gigs")
+
+
+def test_tiny_benchmark_through_subprocess(tmp_path):
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "--models", "resnet20", "--batches", "4",
+                           "--methods", "fp,division", "--image-size", "32", "--num-classes", "10", "--steps", "2",
+                           "--warmup", "1", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    files = sorted(tmp_path.glob("*.json"))
+    assert len(files) == 2
+    recs = [json.loads(f.read_text()) for f in files]
+    for rec in recs:
+        assert rec["status"] == "ok" and rec["throughput_img_s"] > 0 and rec["act_mem_bytes"] > 0
+    div = next(r for r in recs if r["method"] == "division")
+    assert div["act_compression"] > 5
+
+
+def _fixture(root: Path):
+    ref = ROOT / "results" / "reference" / "division_paper_numbers.json"
+    (root / "reference").mkdir(parents=True)
+    (root / "reference" / ref.name).write_text(ref.read_text())
+    bench = root / "bench" / "cpu"
+    bench.mkdir(parents=True)
+    base = {"suite": "cpu", "amp": "none", "image_size": 224, "device": "cpu: test"}
+    rows = [("fp", 4, "ok", 100e6, 4.0), ("division", 4, "ok", 9e6, 3.0), ("fp", 8, "oom", None, None)]
+    for method, batch, status, held, speed in rows:
+        rec = dict(base, model="resnet50", batch_size=batch, method=method, status=status)
+        if status == "ok":
+            rec.update(act_mem_bytes=held, act_mem_fp_bytes=100e6, act_compression=100e6 / held,
+                       peak_mem_bytes=2e9, throughput_img_s=speed)
+        (bench / f"resnet50_b{batch}_{method}.json").write_text(json.dumps(rec))
+    runs = root / "runs" / "exp"
+    for method, seed, top1 in [("fp", 0, 60.0), ("fp", 1, 62.0), ("division", 0, 59.0)]:
+        d = runs / f"{method}-{seed}"
+        d.mkdir(parents=True)
+        (d / "result.json").write_text(json.dumps({
+            "status": "ok", "experiment": "exp", "data": "cifar10", "model": "resnet20", "method": method,
+            "seed": seed, "top1": top1, "epochs": [{"epoch": 1, "top1": top1}], "device": "cpu: test"}))
+
+
+def test_tables_from_fixtures(tmp_path):
+    _fixture(tmp_path)
+    proc = subprocess.run([sys.executable, "scripts/make_tables.py", "--results", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    tables = tmp_path / "tables"
+    mem = (tables / "memory_cpu.md").read_text()
+    assert "oom" in mem and "missing" in mem and "11.11x" in mem
+    acc = (tables / "accuracy.md").read_text()
+    assert "61.00 ± 1.41" in acc and "| 2 |" in acc and "-2.00" in acc
+    for name in ("memory_cpu.csv", "memory_cpu.tex", "throughput.md", "throughput.png", "memory_cpu.png",
+                 "accuracy_curves.png"):
+        assert (tables / name).exists(), name
