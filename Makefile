@@ -3,6 +3,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
+ifeq ($(DATA_DIR),)
+ifneq ($(wildcard ../shared/datasets),)
+export DATA_DIR := $(abspath ../shared/datasets)
+endif
+endif
 
 .PHONY: setup train test test-slow tables clean
 

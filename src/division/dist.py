@@ -64,3 +64,14 @@ def barrier():
 def cleanup():
     if torch_dist.is_initialized():
         torch_dist.destroy_process_group()
+
+
+def parameter_spread(model) -> float:
+    """Largest difference of any parameter between ranks (0.0 when replicas agree, as DDP promises)."""
+    if not torch_dist.is_initialized():
+        return 0.0
+    flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    hi, lo = flat.clone(), flat.clone()
+    torch_dist.all_reduce(hi, op=torch_dist.ReduceOp.MAX)
+    torch_dist.all_reduce(lo, op=torch_dist.ReduceOp.MIN)
+    return float((hi - lo).abs().max())

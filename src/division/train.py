@@ -107,7 +107,8 @@ def run(cfg: DictConfig) -> dict:
         "device": results.device_description(device), "wall_time_s": 0.0,
     }
     start_epoch = 0
-    if cfg.get("resume") and ckpt_path.exists():
+    requeued = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0  # SLURM requeue: always continue
+    if (cfg.get("resume") or requeued) and ckpt_path.exists():
         ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
@@ -167,6 +168,8 @@ def run(cfg: DictConfig) -> dict:
                         "epoch": epoch + 1, "global_step": state.global_step, "epochs": result["epochs"],
                         "wall_time_s": time.perf_counter() - t_start})
             write("running")
+        if info.enabled:
+            result["ddp_param_spread"] = dist.parameter_spread(model)
         write("ok")
     except torch.cuda.OutOfMemoryError:
         write("oom")

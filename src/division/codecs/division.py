@@ -38,6 +38,19 @@ def upsample_blocks(lfc: torch.Tensor, block_hw, height: int, width: int) -> tor
     return up[:, :, :height, :width]
 
 
+def add_blocks_(x: torch.Tensor, lfc: torch.Tensor, block_hw, sign: float = 1.0) -> torch.Tensor:
+    """In place: x += sign * upsample(lfc), by broadcasting over block views (no upsampled copy) where the
+    map divides into whole blocks."""
+    n, c, h, w = x.shape
+    bh, bw = block_hw
+    if h % bh == 0 and w % bw == 0 and x.is_contiguous():
+        view = x.view(n, c, h // bh, bh, w // bw, bw)
+        view.add_(lfc.float()[:, :, :, None, :, None], alpha=sign)
+    else:
+        x.add_(upsample_blocks(lfc.float(), block_hw, h, w), alpha=sign)
+    return x
+
+
 @dataclass(eq=False)
 class DivisionPacked(Packed):
     lfc: torch.Tensor
@@ -54,7 +67,8 @@ class DivisionPacked(Packed):
 
     def decode(self) -> torch.Tensor:
         n, c, h, w = self.shape
-        x = self.hfc.decode().float().view(n, c, h, w) + upsample_blocks(self.lfc.float(), self.block_hw, h, w)
+        x = self.hfc.decode(torch.float32).view(n, c, h, w)
+        add_blocks_(x, self.lfc, self.block_hw)
         if self.bad_index is not None:
             x.view(-1)[self.bad_index] = self.bad_value.float()
         return x.to(self.dtype)
@@ -96,7 +110,8 @@ class DivisionCodec:
             bad_value = xf.reshape(-1)[bad_index].to(x.dtype)
             xf = torch.where(finite, xf, torch.zeros((), device=xf.device))
             lfc = self._lfc(xf, block_hw)
-        hfc = xf - upsample_blocks(lfc.float(), block_hw, h, w)
+        hfc = xf.clone() if xf is x else xf.contiguous()
+        add_blocks_(hfc, lfc, block_hw, sign=-1.0)
         q = quantize_per_row(hfc.reshape(n * c, h * w), self.hfc_bits, self.stochastic)
         return DivisionPacked(lfc, q, block_hw, x.shape, x.dtype, bad_index, bad_value)
 

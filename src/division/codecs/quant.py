@@ -70,12 +70,12 @@ class QuantizedTensor(Packed):
     def tensors(self):
         return [self.packed, self.minimum, self.scale, self.bad_index, self.bad_value]
 
-    def decode(self) -> torch.Tensor:
+    def decode(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         codes = unpack_bits(self.packed, self.bits, self.rows * self.row_len).view(self.rows, self.row_len)
-        x = torch.addcmul(self.minimum.unsqueeze(1), codes.float(), self.scale.unsqueeze(1))
+        x = codes.float().mul_(self.scale.unsqueeze(1)).add_(self.minimum.unsqueeze(1))
         if self.bad_index is not None:
             x.view(-1)[self.bad_index] = self.bad_value.float()
-        return x.to(self.dtype)
+        return x.to(dtype or self.dtype)
 
 
 def quantize_per_row(x2d: torch.Tensor, bits: int, stochastic: bool = True,
@@ -108,12 +108,11 @@ def quantize_per_row(x2d: torch.Tensor, bits: int, stochastic: bool = True,
         xf = torch.where(finite, xf, mn.unsqueeze(1))
     scale = (mx - mn) / levels
     inv_scale = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    v = (xf - mn.unsqueeze(1)) * inv_scale.unsqueeze(1)
+    v = (xf - mn.unsqueeze(1)).mul_(inv_scale.unsqueeze(1))
     if stochastic:
-        v = v + torch.rand(v.shape, device=v.device, generator=generator)
-        v = v.floor_()
+        v.add_(torch.rand(v.shape, device=v.device, generator=generator)).floor_()
     else:
-        v = v.round_()
+        v.round_()
     codes = v.clamp_(0, levels).to(torch.uint8)
     return QuantizedTensor(pack_bits(codes, bits), mn.contiguous(), scale.contiguous(), bits, rows, row_len,
                            x2d.dtype, bad_index, bad_value)
