@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from division.codecs.packing import pack_bits, unpack_bits
 from division.codecs.quant import BitMask, FullCopy, Packed, storage_key, unique_nbytes
 
-LAYER_KINDS = ("conv", "bn", "linear", "relu", "maxpool", "dropout", "avgpool")
+LAYER_KINDS = ("conv", "bn", "linear", "relu", "maxpool", "dropout", "avgpool", "ln", "gelu", "attn")
 
 
 def check_layer_kinds(kinds) -> tuple:
@@ -295,6 +295,88 @@ class _MaxPool2dFn(torch.autograd.Function):
         return gx.view(n, c, h, w), None, None, None, None, None, None
 
 
+class _LayerNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shape, weight, bias, eps, policy, layer):
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.float()  # autocast runs layer norm in fp32
+        out, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
+        ctx.saved = policy.save(x, "ln", layer)
+        ctx.shape = shape
+        ctx.save_for_backward(weight, bias, mean, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, bias, mean, rstd = ctx.saved_tensors
+        x = ctx.saved.decode()
+        ctx.saved = None
+        mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[2],
+                bias is not None and ctx.needs_input_grad[3]]
+        gx, gw, gb = torch.ops.aten.native_layer_norm_backward(grad.to(x.dtype), x, ctx.shape, mean, rstd,
+                                                               weight, bias, mask)
+        return gx, None, gw, gb, None, None, None
+
+
+class _GeluFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, approximate, policy, layer):
+        ctx.saved = policy.save(x, "gelu", layer)
+        ctx.approximate = approximate
+        return F.gelu(x, approximate=approximate)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x = ctx.saved.decode()
+        ctx.saved = None
+        return torch.ops.aten.gelu_backward(grad, x.to(grad.dtype), approximate=ctx.approximate), None, None, None
+
+
+class _AttentionFn(torch.autograd.Function):
+    """Scaled-dot-product attention that keeps compressed q, k, v (as (batch*heads, tokens, head_dim)
+    token tensors) and recomputes the attention from them in backward; nothing of size tokens^2 is held."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal, scale, policy, layer):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+        ctx.saved = [policy.save(t.reshape(-1, *t.shape[-2:]), "attn", f"{layer}.{n}") for n, t in zip("qkv", (q, k, v))]
+        ctx.shapes = [t.shape for t in (q, k, v)]
+        ctx.conf = (is_causal, scale, [t.dtype for t in (q, k, v)])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        is_causal, scale, dtypes = ctx.conf
+        with torch.enable_grad():
+            qkv = [s.decode().view(shape).to(dt).requires_grad_() for s, shape, dt in zip(ctx.saved, ctx.shapes, dtypes)]
+            out = F.scaled_dot_product_attention(*qkv, is_causal=is_causal, scale=scale)
+            grads = torch.autograd.grad(out, qkv, grad)
+        ctx.saved = None
+        return (*grads, None, None, None, None)
+
+
+class AttentionMode(torch.overrides.TorchFunctionMode):
+    """Active only during a prepared model's training forward: routes F.scaled_dot_product_attention
+    (without mask or dropout) through :class:`_AttentionFn`. Scoped to the model, no global patching."""
+
+    def __init__(self, policy: "SavePolicy"):
+        super().__init__()
+        self.policy = policy
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and self.policy.enabled and torch.is_grad_enabled():
+            q, k, v = args[:3]
+            extra = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale"), args[3:]), **kwargs)
+            if (extra.get("attn_mask") is None and not extra.get("dropout_p") and not extra.get("enable_gqa")
+                    and q.requires_grad | k.requires_grad | v.requires_grad):
+                self.calls += 1
+                return _AttentionFn.apply(q, k, v, bool(extra.get("is_causal", False)), extra.get("scale"),
+                                          self.policy, f"attention{self.calls}")
+        return func(*args, **kwargs)
+
+
 class _LinearOpFn(torch.autograd.Function):
     """An average pool keeps nothing: it is linear, so its backward needs only the input's shape."""
 
@@ -398,6 +480,26 @@ def _avgpool_forward(m, policy, name):
     return forward
 
 
+def _ln_forward(m, policy, name):
+    plain = type(m).forward
+
+    def forward(self, x):
+        if not _training_step(self, x, policy):
+            return plain(self, x)
+        return _LayerNormFn.apply(x, list(self.normalized_shape), self.weight, self.bias, self.eps, policy, name)
+    return forward
+
+
+def _gelu_forward(m, policy, name):
+    plain = type(m).forward
+
+    def forward(self, x):
+        if not _training_step(self, x, policy):
+            return plain(self, x)
+        return _GeluFn.apply(x, self.approximate, policy, name)
+    return forward
+
+
 def _training_step(module, x, policy) -> bool:
     return (policy.enabled and module.training and torch.is_grad_enabled() and isinstance(x, torch.Tensor)
             and x.is_floating_point())
@@ -412,12 +514,23 @@ _COVERED = (
     (nn.MaxPool2d, "maxpool", _maxpool_forward),
     (nn.AvgPool2d, "avgpool", _avgpool_forward),
     (nn.AdaptiveAvgPool2d, "avgpool", _avgpool_forward),
+    (nn.LayerNorm, "ln", _ln_forward),
+    (nn.GELU, "gelu", _gelu_forward),
 )
+
+
+def _same_math(m: nn.Module, cls) -> bool:
+    """The module computes exactly what ``cls`` does: its own class, or a subclass known to (timm's
+    LayerNorm without its fast-norm option)."""
+    if type(m).forward is cls.forward:
+        return True
+    qualname = f"{type(m).__module__}.{type(m).__qualname__}"
+    return qualname == "timm.layers.norm.LayerNorm" and not getattr(m, "_fast_norm", True)
 
 
 def _covered_kind(m: nn.Module):
     for cls, kind, make in _COVERED:
-        if isinstance(m, cls) and type(m).forward is cls.forward:
+        if isinstance(m, cls) and _same_math(m, cls):
             if kind == "conv" and (m.padding_mode != "zeros" or isinstance(m.padding, str)):
                 return None
             return kind, make
@@ -439,8 +552,21 @@ def install(model: nn.Module, policy: SavePolicy) -> List[str]:
         kind, make = found
         m.forward = types.MethodType(make(m, policy, name or kind), m)
         covered.append(name)
-    handles = [model.register_forward_pre_hook(lambda mod, args: policy.begin_forward()),
-               model.register_forward_hook(lambda mod, args, out: policy.end_forward())]
+    modes = []
+
+    def begin(mod, args):
+        policy.begin_forward()
+        if "attn" in policy.kinds and mod.training and torch.is_grad_enabled() and policy.enabled:
+            mode = AttentionMode(policy)
+            mode.__enter__()
+            modes.append(mode)
+
+    def end(mod, args, out):
+        while modes:
+            modes.pop().__exit__(None, None, None)
+        policy.end_forward()
+
+    handles = [model.register_forward_pre_hook(begin), model.register_forward_hook(end)]
     object.__setattr__(model, "_division_policy", policy)
     object.__setattr__(model, "_division_handles", handles)
     return covered

@@ -5,7 +5,7 @@ Adding a method = one module with a Method subclass + one line here + one YAML f
 from typing import Dict, Type
 
 from division.methods.base import Method
-from division.methods.compressed import ActNN, Blpa, Division
+from division.methods.compressed import ActNN, Blpa, Division, Mesa
 from division.methods.fp import FullPrecision
 from division.methods.recompute import Checkpoint, Swap
 
@@ -14,6 +14,7 @@ METHODS: Dict[str, Type[Method]] = {
     "division": Division,
     "actnn": ActNN,
     "blpa": Blpa,
+    "mesa": Mesa,
     "checkpoint": Checkpoint,
     "swap": Swap,
 }

@@ -5,6 +5,7 @@ import torch.nn as nn
 
 from division import compress
 from division.codecs import Bf16Copy, BlpaCodec, DivisionCodec, GroupwiseCodec, PerChannelCodec
+from division.codecs.tokens import ChannelCodec, encode_tokens
 from division.methods.base import Method
 
 EXACT_KINDS = ("relu", "maxpool", "dropout", "avgpool")
@@ -23,6 +24,7 @@ class PolicyMethod(Method):
         raise NotImplementedError
 
     def prepare(self, model: nn.Module) -> nn.Module:
+        self.token_grid = token_grid(model)
         self.covered = compress.install(model, self.policy)
         return model
 
@@ -31,6 +33,15 @@ class PolicyMethod(Method):
 
     def ids(self):
         return self.policy.ids
+
+
+def token_grid(model: nn.Module):
+    """(prefix tokens, (gh, gw)) of a timm-style ViT, else None."""
+    patch = getattr(model, "patch_embed", None)
+    grid = getattr(patch, "grid_size", None)
+    if grid is None:
+        return None
+    return int(getattr(model, "num_prefix_tokens", 1)), (int(grid[0]), int(grid[1]))
 
 
 class Division(PolicyMethod):
@@ -47,11 +58,15 @@ class Division(PolicyMethod):
         else:
             self.codec = PerChannelCodec(hfc_bits, stochastic, min_numel)
         super().__init__(name, layers, reuse_relu_mask)
-        self.notes = ["maps with 1x1 spatial size, fewer than min_numel elements, or not 4-D are held in bf16"]
+        self.notes = ["maps with 1x1 spatial size, fewer than min_numel elements, and 2-D inputs are held in "
+                      "bf16; token tensors use the patch grid (prefix tokens in bf16) or pool along tokens"]
 
     def choose(self, kind, x):
         if x.dim() == 4:
             return self.codec.encode(x)
+        if x.dim() == 3:
+            prefix, grid = self.token_grid if self.token_grid else (0, None)
+            return encode_tokens(self.codec, x, prefix, grid)
         return Bf16Copy.encode(x)
 
 
@@ -76,6 +91,21 @@ class Blpa(PolicyMethod):
 
     def __init__(self, name=None, bits: int = 4, layers=compress.LAYER_KINDS, stochastic: bool = False):
         self.codec = BlpaCodec(bits, stochastic)
+        super().__init__(name, layers)
+
+    def choose(self, kind, x):
+        return self.codec.encode(x)
+
+
+class Mesa(PolicyMethod):
+    """Mesa-style 8-bit activations (Pan et al., 2021): one range per channel, round to nearest. Mesa also
+    quantizes attention maps per head; with fused scaled-dot-product attention no attention map exists, and
+    what the fused kernel saves (q, k, v, output, log-sum-exp) stays in full precision, as the report shows."""
+
+    name = "mesa"
+
+    def __init__(self, name=None, bits: int = 8, layers=compress.LAYER_KINDS, stochastic: bool = False):
+        self.codec = ChannelCodec(bits, stochastic)
         super().__init__(name, layers)
 
     def choose(self, kind, x):

@@ -1,0 +1,86 @@
+"""Measurements behind the paper's claim: how much activation energy sits in the LFC, how well each codec
+rebuilds activations, and how far the weight gradients of a compressed step land from full precision."""
+import copy
+from typing import Callable, Dict, List
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from division.codecs import Bf16Copy, FullCopy
+from division.codecs.division import block_average, lfc_blocks, upsample_blocks
+from division.methods.compressed import PolicyMethod
+
+
+def lfc_energy_share(x: torch.Tensor, block: int) -> float:
+    """||upsample(LFC)||^2 / ||x||^2 for a (N, C, H, W) map: 1 for a constant map, 0 for a zero-mean
+    pattern inside every block."""
+    n, c, h, w = x.shape
+    bhw = lfc_blocks(h, w, block)
+    up = upsample_blocks(block_average(x.float(), bhw), bhw, h, w)
+    total = x.float().pow(2).sum()
+    return float(up.pow(2).sum() / total) if total > 0 else 0.0
+
+
+def relative_error(x_hat: torch.Tensor, x: torch.Tensor) -> float:
+    denom = x.float().norm()
+    return float((x_hat.float() - x.float()).norm() / denom) if denom > 0 else float((x_hat.float()).norm())
+
+
+class CodecMethod(PolicyMethod):
+    """A policy method from any ``encode(x) -> Packed`` function (4-D maps; other tensors exact)."""
+
+    def __init__(self, encode: Callable, name: str = "custom", reuse_relu_mask: bool = False):
+        self.encode = encode
+        super().__init__(name, reuse_relu_mask=reuse_relu_mask)
+
+    def choose(self, kind, x):
+        return self.encode(x) if x.dim() == 4 else FullCopy(x)
+
+
+def lfc_only(block: int):
+    def encode(x):
+        n, c, h, w = x.shape
+        bhw = lfc_blocks(h, w, block)
+        return FullCopy(upsample_blocks(block_average(x.float(), bhw), bhw, h, w).to(x.dtype).contiguous())
+    return encode
+
+
+def hfc_only(block: int):
+    def encode(x):
+        n, c, h, w = x.shape
+        bhw = lfc_blocks(h, w, block)
+        return FullCopy((x.float() - upsample_blocks(block_average(x.float(), bhw), bhw, h, w)).to(x.dtype))
+    return encode
+
+
+def weight_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()
+            if p.grad is not None and p.dim() == 4}
+
+
+def gradient_error(model: nn.Module, method, x: torch.Tensor, y: torch.Tensor, draws: int = 3,
+                   reference: Dict[str, torch.Tensor] = None) -> Dict[str, dict]:
+    """Per conv layer: cosine and relative L2 error of the weight gradient against full precision, averaged
+    over ``draws`` stochastic draws. The model is copied; batch norms use batch statistics as in training."""
+    model = copy.deepcopy(model).train()
+    if reference is None:
+        reference = weight_grads(model, x, y)
+    prepared = copy.deepcopy(model)
+    method.prepare(prepared)
+    sums: Dict[str, List[float]] = {n: [0.0, 0.0] for n in reference}
+    state = {k: v.clone() for k, v in prepared.state_dict().items()}
+    for _ in range(draws):
+        prepared.load_state_dict(state)  # running statistics must not drift between draws
+        grads = weight_grads(prepared, x, y)
+        for n, g_ref in reference.items():
+            g = grads[n]
+            sums[n][0] += float(F.cosine_similarity(g.flatten().double(), g_ref.flatten().double(), dim=0))
+            sums[n][1] += relative_error(g, g_ref)
+    return {n: {"cosine": s[0] / draws, "rel_error": s[1] / draws} for n, s in sums.items()}
+
+
+def mean_over_layers(errors: Dict[str, dict], key: str) -> float:
+    return sum(e[key] for e in errors.values()) / max(1, len(errors))
