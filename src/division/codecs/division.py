@@ -13,6 +13,50 @@ import torch.nn.functional as F
 from division.codecs.quant import Bf16Copy, Packed, QuantizedTensor, check_bits, quantize_per_row
 
 LFC_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+BACKENDS = ("auto", "reference", "compiled")
+
+
+def _ptr(t: torch.Tensor):
+    return t.data_ptr()
+
+
+def _encode_compiled(x: torch.Tensor, block_hw, bits: int, stochastic: bool) -> Optional["DivisionPacked"]:
+    """The fused CPU kernel (division/kernels); None when a map holds NaN or Inf, which the reference path
+    keeps exactly."""
+    from division import kernels
+    from division.codecs.packing import packed_nbytes
+    lib = kernels.library()
+    n, c, h, w = x.shape
+    bh, bw = block_hw
+    hb, wb = -(-h // bh), -(-w // bw)
+    xc = x.float().contiguous()
+    maps = n * c
+    lfc = torch.empty((n, c, hb, wb), dtype=torch.bfloat16)
+    minimum = torch.empty(maps, dtype=torch.float32)
+    scale = torch.empty(maps, dtype=torch.float32)
+    aligned = (h * w * bits) % 8 == 0
+    codes = torch.empty(0 if aligned else x.numel(), dtype=torch.uint8)
+    packed = torch.empty(packed_nbytes(x.numel(), bits), dtype=torch.uint8)
+    seed = int(torch.randint(0, 2 ** 62, (1,)).item()) if stochastic else 0
+    threads = torch.get_num_threads()
+    bad = lib.division_encode(_ptr(xc), maps, h, w, bh, bw, bits, seed, int(stochastic), _ptr(lfc), _ptr(minimum),
+                              _ptr(scale), _ptr(codes), _ptr(packed), threads)
+    if bad:
+        return None
+    if not aligned:
+        lib.pack_codes(_ptr(codes), x.numel(), bits, _ptr(packed), threads)
+    q = QuantizedTensor(packed, minimum, scale, bits, maps, h * w, x.dtype)
+    return DivisionPacked(lfc, q, block_hw, x.shape, x.dtype, compiled=True)
+
+
+def _decode_compiled(p: "DivisionPacked") -> torch.Tensor:
+    from division import kernels
+    n, c, h, w = p.shape
+    out = torch.empty((n, c, h, w), dtype=torch.float32)
+    kernels.library().division_decode(_ptr(p.hfc.packed), _ptr(p.lfc), _ptr(p.hfc.minimum), _ptr(p.hfc.scale),
+                                      n * c, h, w, p.block_hw[0], p.block_hw[1], p.hfc.bits, _ptr(out),
+                                      torch.get_num_threads())
+    return out
 
 
 def lfc_blocks(height: int, width: int, block: int):
@@ -60,6 +104,7 @@ class DivisionPacked(Packed):
     dtype: torch.dtype
     bad_index: Optional[torch.Tensor] = None
     bad_value: Optional[torch.Tensor] = None
+    compiled: bool = False
     kind = "division"
 
     def tensors(self):
@@ -67,6 +112,8 @@ class DivisionPacked(Packed):
 
     def decode(self) -> torch.Tensor:
         n, c, h, w = self.shape
+        if self.compiled:
+            return _decode_compiled(self).to(self.dtype)
         x = self.hfc.decode(torch.float32).view(n, c, h, w)
         add_blocks_(x, self.lfc, self.block_hw)
         if self.bad_index is not None:
@@ -79,7 +126,10 @@ class DivisionCodec:
     that LFC plus HFC plus statistics would take as many bytes as bf16, are held in bf16."""
 
     def __init__(self, block_size: int = 8, hfc_bits: int = 2, lfc_dtype: str = "bf16", min_numel: int = 0,
-                 stochastic: bool = True):
+                 stochastic: bool = True, backend: str = "auto"):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is invalid; valid choices: {list(BACKENDS)}")
+        self.backend = backend
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size={block_size!r} is invalid; it must be an integer >= 1 (paper: 8)")
         if lfc_dtype not in LFC_DTYPES:
@@ -99,6 +149,10 @@ class DivisionCodec:
         block_hw = lfc_blocks(h, w, self.block_size)
         if h * w == 1 or x.numel() < self.min_numel or self.map_nbytes(h, w) >= 2 * h * w:
             return Bf16Copy.encode(x)
+        if self.backend != "reference" and self._use_compiled(x):
+            packed = _encode_compiled(x, block_hw, self.hfc_bits, self.stochastic)
+            if packed is not None:
+                return packed
         xf = x.float()
         lfc = self._lfc(xf, block_hw)
         bad_index = bad_value = None
@@ -114,6 +168,13 @@ class DivisionCodec:
         add_blocks_(hfc, lfc, block_hw, sign=-1.0)
         q = quantize_per_row(hfc.reshape(n * c, h * w), self.hfc_bits, self.stochastic)
         return DivisionPacked(lfc, q, block_hw, x.shape, x.dtype, bad_index, bad_value)
+
+    def _use_compiled(self, x: torch.Tensor) -> bool:
+        from division import kernels
+        ok = x.device.type == "cpu" and self.lfc_dtype == torch.bfloat16 and x.dtype in (torch.float32, torch.bfloat16)
+        if ok and kernels.library() is None and self.backend == "compiled":
+            raise RuntimeError("backend='compiled' but the compiled kernels could not be built; use backend=auto")
+        return ok and kernels.library() is not None
 
     def map_nbytes(self, height: int, width: int) -> float:
         """Bytes DIVISION holds per (sample, channel) map: LFC, packed HFC, fp32 minimum and scale."""

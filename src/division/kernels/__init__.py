@@ -1,0 +1,75 @@
+"""Optional compiled CPU kernels, built on first use with the system C compiler into a per-user cache
+(keyed by the source's hash) and loaded with ctypes. If no compiler is available the reference
+implementation is used; ``available()`` says which."""
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+_SOURCE = Path(__file__).with_name("division_cpu.c")
+_LOCK = threading.Lock()
+_LIB = {}
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("DIVISION_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "division", "kernels")
+    return Path(root)
+
+
+def _machine() -> str:
+    """Built with -march=native, so the cache key names the CPU."""
+    import platform
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            model = next((line for line in fh if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return platform.machine() + model
+
+
+def _build() -> ctypes.CDLL:
+    src = _SOURCE.read_bytes()
+    tag = hashlib.sha1(src + _machine().encode()).hexdigest()[:16]
+    lib_path = _cache_dir() / f"division_cpu_{tag}.so"
+    if not lib_path.exists():
+        compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+        if compiler is None:
+            raise OSError("no C compiler found")
+        lib_path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
+            out = Path(tmp) / lib_path.name
+            subprocess.run([compiler, "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", str(_SOURCE),
+                            "-o", str(out), "-lm"], check=True, capture_output=True, timeout=120)
+            os.replace(out, lib_path)
+    lib = ctypes.CDLL(str(lib_path))
+    p, i64, i32, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64
+    lib.division_encode.argtypes = [p, i64, i64, i64, i64, i64, i32, u64, i32, p, p, p, p, p, i32]
+    lib.division_encode.restype = i32
+    lib.pack_codes.argtypes = [p, i64, i32, p, i32]
+    lib.pack_codes.restype = None
+    lib.division_decode.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i32, p, i32]
+    lib.division_decode.restype = None
+    return lib
+
+
+def library():
+    """The loaded kernel library, or None (with one warning) when it cannot be built."""
+    with _LOCK:
+        if "lib" not in _LIB:
+            try:
+                _LIB["lib"] = _build()
+            except (OSError, subprocess.SubprocessError) as err:
+                warnings.warn(f"compiled DIVISION kernels unavailable, using the reference path: {err}")
+                _LIB["lib"] = None
+        return _LIB["lib"]
+
+
+def available() -> bool:
+    return library() is not None
