@@ -40,7 +40,7 @@ def _method_cfg(spec: str) -> dict:
 
 
 def measure(model_name: str, batch: int, method_spec: str, image_size: int, steps: int, warmup: int,
-            device_name: str, amp: str, num_classes: int = 1000) -> dict:
+            device_name: str, amp: str, num_classes: int = 1000, fp_reference: bool = True) -> dict:
     """One configuration in this process: warm-up, then ``steps`` timed training steps."""
     device = torch.device("cuda" if device_name == "auto" and torch.cuda.is_available() else
                           ("cpu" if device_name == "auto" else device_name))
@@ -68,7 +68,8 @@ def measure(model_name: str, batch: int, method_spec: str, image_size: int, step
         opt.step()
         return acc.report if account else None
 
-    fp_bytes = method.fp_reference_bytes(model, forward)
+    # the reference forward raises the process's peak, so the max-batch search leaves it out
+    fp_bytes = method.fp_reference_bytes(model, forward) if fp_reference else None
     engine.reset_peak(device)
     base_rss = rss_bytes()
     base_alloc = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -91,7 +92,8 @@ def measure(model_name: str, batch: int, method_spec: str, image_size: int, step
     median = statistics.median(times)
     return {
         "status": "ok", "act_mem_bytes": report.held_bytes, "act_mem_fp_bytes": fp_bytes,
-        "act_compression": fp_bytes / max(report.held_bytes, 1), "act_mem_host_bytes": report.host_bytes,
+        "act_compression": fp_bytes / max(report.held_bytes, 1) if fp_bytes else None,
+        "act_mem_host_bytes": report.host_bytes,
         "act_mem_by_codec": report.by_codec(), "peak_mem_bytes": int(peak), "peak_mem_growth_bytes": int(peak_growth),
         "throughput_img_s": batch / median, "step_times_s": times, "notes": report.notes,
         "device": results.device_description(device),
@@ -107,7 +109,7 @@ def run_one_subprocess(args, model, batch, method, path: Path) -> dict:
     cmd = [sys.executable, "-m", "division.bench", "--single", "--models", model, "--batches", str(batch),
            "--methods", method, "--image-size", str(args.image_size), "--steps", str(args.steps), "--warmup",
            str(args.warmup), "--device", args.device, "--amp", args.amp, "--num-classes", str(args.num_classes),
-           "--out", str(path)]
+           "--out", str(path)] + ([] if args.fp_reference else ["--no-fp-reference"])
     env = dict(os.environ)
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -143,6 +145,8 @@ def parse(argv=None):
     p.add_argument("--suite", default="cpu")
     p.add_argument("--out", default=None, help="output folder (default results/bench/<suite>); a file with --single")
     p.add_argument("--force", action="store_true", help="rerun configurations whose file exists")
+    p.add_argument("--no-fp-reference", dest="fp_reference", action="store_false",
+                   help="skip the full-precision reference forward (peak-memory probes)")
     p.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -156,7 +160,7 @@ def main(argv=None):
         path = Path(args.out)
         try:
             record = measure(models[0], batches[0], method_specs[0], args.image_size, args.steps, args.warmup,
-                             args.device, args.amp, args.num_classes)
+                             args.device, args.amp, args.num_classes, args.fp_reference)
         except torch.cuda.OutOfMemoryError as err:
             record = {"status": "oom", "error": str(err)[:500]}
         record.update(_identity(args, models[0], batches[0], method_specs[0]))

@@ -59,7 +59,7 @@ def main(argv=None):
             continue
         tried = {}
         bargs = bench_parse(["--image-size", str(args.image_size), "--steps", "1", "--warmup", "1",
-                             "--device", args.device, "--suite", "max_batch"])
+                             "--device", args.device, "--suite", "max_batch", "--no-fp-reference"])
 
         def fits(batch: int) -> bool:
             tmp = out / ".probe" / f"{args.model}_{method}_b{batch}.json"
