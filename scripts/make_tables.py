@@ -127,7 +127,8 @@ def accuracy_table(runs, paper, out: Path):
         return []
     groups = defaultdict(list)
     for r in ok:
-        groups[(r.get("experiment", "default"), r["data"], r["model"], r["method"])].append(r)
+        experiment = Path(r["_path"]).parts[0] if len(Path(r["_path"]).parts) > 2 else r.get("experiment", "default")
+        groups[(experiment, r["data"], r["model"], r["method"])].append(r)
     header = ["experiment", "data", "model", "method", "top-1 % (mean ± std)", "n", "gap to fp", "paper top-1 %"]
     rows = []
     fp_mean = {}
@@ -157,13 +158,14 @@ def max_batch_table(records, out: Path):
     """(d) the largest batch per method under a memory budget."""
     if not records:
         return []
-    header = ["model", "method", "budget", "max batch", "ratio to fp", "device"]
+    header = ["model", "method", "budget", "CPU allocator", "max batch", "ratio to fp", "device"]
     rows = []
-    for r in sorted(records, key=lambda r: (r["model"], r.get("budget", ""), _rank(r["method"]))):
+    alloc = lambda r: f"mmap >= {r['malloc_mmap_threshold']} B" if r.get("malloc_mmap_threshold") else "glibc default"
+    for r in sorted(records, key=lambda r: (r["model"], r.get("budget", ""), alloc(r), _rank(r["method"]))):
         fp = next((q for q in records if q["model"] == r["model"] and q.get("budget") == r.get("budget")
-                   and q["method"] == "fp"), None)
+                   and q["method"] == "fp" and alloc(q) == alloc(r)), None)
         ratio = f"{r['max_batch'] / fp['max_batch']:.2f}" if fp and fp.get("max_batch") else ""
-        rows.append([r["model"], r["method"], r.get("budget", ""), r.get("max_batch", r["status"]), ratio,
+        rows.append([r["model"], r["method"], r.get("budget", ""), alloc(r), r.get("max_batch", r["status"]), ratio,
                      r.get("device", "")])
     return [_write_table(out / "max_batch", header, rows, "Largest trainable batch under a memory budget.")]
 
@@ -243,7 +245,7 @@ def main(argv=None):
     paper = json.loads((res / "reference" / "division_paper_numbers.json").read_text())
     bench = [r for r in _load(res / "bench") if "batch_size" in r]
     runs = [r for r in _load(res / "runs") if "epochs" in r]
-    maxb = [r for r in _load(res / "max_batch") if "max_batch" in r or r.get("status") != "ok"]
+    maxb = [r for r in _load(res / "max_batch") if "max_batch" in r and ".probe" not in r["_path"]]
     texts = memory_table(bench, paper, out) + throughput_table(bench, paper, out) + \
         accuracy_table(runs, paper, out) + max_batch_table(maxb, out)
     print("\n\n".join(texts) if texts else "no results found")

@@ -93,22 +93,19 @@ def train_one_epoch(model: nn.Module, method, loader, optimizer, scheduler, stat
 
         def forward():
             with autocast(state):
-                return F.cross_entropy(model(x), y, label_smoothing=state.label_smoothing)
+                out = model(x)
+                return out, F.cross_entropy(out, y, label_smoothing=state.label_smoothing)
 
         optimizer.zero_grad(set_to_none=True)
         if measure and report is None:
             core = model.module if hasattr(model, "module") else model
-            fp_bytes = method.fp_reference_bytes(core, lambda: forward())
+            fp_bytes = method.fp_reference_bytes(core, forward)
             with method.accounting() as acc:
-                with autocast(state):
-                    logits = model(x)
-                    loss = F.cross_entropy(logits, y, label_smoothing=state.label_smoothing)
+                logits, loss = forward()
             report = acc.report
             report.fp_bytes = fp_bytes
         else:
-            with autocast(state):
-                logits = model(x)
-                loss = F.cross_entropy(logits, y, label_smoothing=state.label_smoothing)
+            logits, loss = forward()
         if not torch.isfinite(loss):
             raise FloatingPointError(f"loss is {loss.item()} at epoch {epoch}, step {state.global_step}")
         if state.scaler is not None:

@@ -60,7 +60,9 @@ class SavedTensorRecorder:
             key = self.ids(t)
             if key not in self.tensors:
                 self.tensors[key] = (tuple(t.shape), t.untyped_storage().nbytes(), str(t.dtype))
-        return t
+        # detach(): the same storage without the autograd history; returning ``t`` itself would tie a
+        # saved output to its own grad_fn, a cycle that leaks the graph when it is dropped without backward
+        return t.detach()
 
     @contextlib.contextmanager
     def record(self):

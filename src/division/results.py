@@ -40,7 +40,8 @@ def config_hash(cfg: Dict) -> str:
     """Hash of the resolved config without seed, paths, logging and run bookkeeping: runs that differ only
     by seed share it, so tables can group seeds."""
     trimmed = {k: v for k, v in cfg.items() if k not in HASH_IGNORED}
-    trimmed.get("trainer", {}).pop("progress", None) if isinstance(trimmed.get("trainer"), dict) else None
+    if isinstance(trimmed.get("trainer"), dict):
+        trimmed["trainer"] = {k: v for k, v in trimmed["trainer"].items() if k != "progress"}
     blob = json.dumps(trimmed, sort_keys=True, default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:10]
 
