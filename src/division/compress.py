@@ -398,106 +398,63 @@ def _pair(v):
     return tuple(v) if isinstance(v, (tuple, list)) else (v, v)
 
 
-def _conv_forward(m, policy, name):
-    plain = type(m).forward
+def _routed(route):
+    """A forward for module ``m`` that, in training steps, calls ``route(m, x, policy, name, plain)``; a
+    ``None`` from the route (a case it does not cover) falls back to the module's own forward."""
+    def make(m, policy, name):
+        plain = type(m).forward
 
-    def forward(self, x):
-        if not _training_step(self, x, policy) or x.dim() != 4:
-            return plain(self, x)
-        return _Conv2dFn.apply(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups,
-                               policy, name)
-    return forward
-
-
-def _linear_forward(m, policy, name):
-    plain = type(m).forward
-
-    def forward(self, x):
-        if not _training_step(self, x, policy):
-            return plain(self, x)
-        return _LinearFn.apply(x, self.weight, self.bias, policy, name)
-    return forward
+        def forward(self, x):
+            out = route(self, x, policy, name, plain) if _training_step(self, x, policy) else None
+            return plain(self, x) if out is None else out
+        return forward
+    return make
 
 
-def _bn_forward(m, policy, name):
-    plain = type(m).forward
-
-    def forward(self, x):
-        if not (_training_step(self, x, policy) and self.track_running_stats and self.running_mean is not None):
-            return plain(self, x)
-        momentum = 0.0 if self.momentum is None else self.momentum
-        self.num_batches_tracked.add_(1)
-        if self.momentum is None:
-            momentum = 1.0 / float(self.num_batches_tracked)
-        return _BatchNorm2dFn.apply(x, self.weight, self.bias, self.running_mean, self.running_var, momentum,
-                                    self.eps, policy, name)
-    return forward
+def _conv(m, x, policy, name, plain):
+    if x.dim() == 4:
+        return _Conv2dFn.apply(x, m.weight, m.bias, m.stride, m.padding, m.dilation, m.groups, policy, name)
 
 
-def _relu_forward(m, policy, name):
-    plain = type(m).forward
-
-    def forward(self, x):
-        if not _training_step(self, x, policy):
-            return plain(self, x)
-        return _ReLUFn.apply(x, self.inplace and not x.is_leaf, policy, name)
-    return forward
+def _linear(m, x, policy, name, plain):
+    return _LinearFn.apply(x, m.weight, m.bias, policy, name)
 
 
-def _dropout_forward(m, policy, name):
-    plain = type(m).forward
-
-    def forward(self, x):
-        if not _training_step(self, x, policy) or self.p == 0:
-            return plain(self, x)
-        if self.p >= 1:
-            return x * 0
-        return _DropoutFn.apply(x, self.p, policy, name)
-    return forward
+def _bn(m, x, policy, name, plain):
+    if not (m.track_running_stats and m.running_mean is not None):
+        return None
+    m.num_batches_tracked.add_(1)
+    momentum = 1.0 / float(m.num_batches_tracked) if m.momentum is None else m.momentum
+    return _BatchNorm2dFn.apply(x, m.weight, m.bias, m.running_mean, m.running_var, momentum, m.eps, policy, name)
 
 
-def _maxpool_forward(m, policy, name):
-    plain = type(m).forward
-
-    def forward(self, x):
-        if not _training_step(self, x, policy) or x.dim() != 4 or self.return_indices or _pair(self.dilation) != (1, 1):
-            return plain(self, x)
-        kernel = _pair(self.kernel_size)
-        stride = _pair(self.stride if self.stride is not None else self.kernel_size)
-        if kernel[0] * kernel[1] > 256:
-            return plain(self, x)
-        return _MaxPool2dFn.apply(x, kernel, stride, _pair(self.padding), self.ceil_mode, policy, name)
-    return forward
+def _relu(m, x, policy, name, plain):
+    return _ReLUFn.apply(x, m.inplace and not x.is_leaf, policy, name)
 
 
-def _avgpool_forward(m, policy, name):
-    plain = type(m).forward
-
-    def forward(self, x):
-        if not _training_step(self, x, policy):
-            return plain(self, x)
-        return _LinearOpFn.apply(x, types.MethodType(plain, self), policy, name)
-    return forward
+def _dropout(m, x, policy, name, plain):
+    if 0 < m.p < 1:
+        return _DropoutFn.apply(x, m.p, policy, name)
 
 
-def _ln_forward(m, policy, name):
-    plain = type(m).forward
-
-    def forward(self, x):
-        if not _training_step(self, x, policy):
-            return plain(self, x)
-        return _LayerNormFn.apply(x, list(self.normalized_shape), self.weight, self.bias, self.eps, policy, name)
-    return forward
+def _maxpool(m, x, policy, name, plain):
+    kernel = _pair(m.kernel_size)
+    if x.dim() != 4 or m.return_indices or _pair(m.dilation) != (1, 1) or kernel[0] * kernel[1] > 256:
+        return None
+    stride = _pair(m.stride if m.stride is not None else m.kernel_size)
+    return _MaxPool2dFn.apply(x, kernel, stride, _pair(m.padding), m.ceil_mode, policy, name)
 
 
-def _gelu_forward(m, policy, name):
-    plain = type(m).forward
+def _avgpool(m, x, policy, name, plain):
+    return _LinearOpFn.apply(x, types.MethodType(plain, m), policy, name)
 
-    def forward(self, x):
-        if not _training_step(self, x, policy):
-            return plain(self, x)
-        return _GeluFn.apply(x, self.approximate, policy, name)
-    return forward
+
+def _layer_norm(m, x, policy, name, plain):
+    return _LayerNormFn.apply(x, list(m.normalized_shape), m.weight, m.bias, m.eps, policy, name)
+
+
+def _gelu(m, x, policy, name, plain):
+    return _GeluFn.apply(x, m.approximate, policy, name)
 
 
 def _training_step(module, x, policy) -> bool:
@@ -506,16 +463,16 @@ def _training_step(module, x, policy) -> bool:
 
 
 _COVERED = (
-    (nn.Conv2d, "conv", _conv_forward),
-    (nn.Linear, "linear", _linear_forward),
-    (nn.BatchNorm2d, "bn", _bn_forward),
-    (nn.ReLU, "relu", _relu_forward),
-    (nn.Dropout, "dropout", _dropout_forward),
-    (nn.MaxPool2d, "maxpool", _maxpool_forward),
-    (nn.AvgPool2d, "avgpool", _avgpool_forward),
-    (nn.AdaptiveAvgPool2d, "avgpool", _avgpool_forward),
-    (nn.LayerNorm, "ln", _ln_forward),
-    (nn.GELU, "gelu", _gelu_forward),
+    (nn.Conv2d, "conv", _routed(_conv)),
+    (nn.Linear, "linear", _routed(_linear)),
+    (nn.BatchNorm2d, "bn", _routed(_bn)),
+    (nn.ReLU, "relu", _routed(_relu)),
+    (nn.Dropout, "dropout", _routed(_dropout)),
+    (nn.MaxPool2d, "maxpool", _routed(_maxpool)),
+    (nn.AvgPool2d, "avgpool", _routed(_avgpool)),
+    (nn.AdaptiveAvgPool2d, "avgpool", _routed(_avgpool)),
+    (nn.LayerNorm, "ln", _routed(_layer_norm)),
+    (nn.GELU, "gelu", _routed(_gelu)),
 )
 
 

@@ -90,7 +90,15 @@ class PreActBottleneck(nn.Module):
         return out + identity
 
 
-class PreActResNet164(nn.Module):
+class _PreActHead(nn.Module):
+    """Shared tail of pre-activation networks: final batch norm, ReLU, global pool, classifier."""
+
+    def forward(self, x):
+        x = self.relu(self.bn(self.layers(self.conv1(x))))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+class PreActResNet164(_PreActHead):
     """He et al. (2016b) pre-activation ResNet-164: 3 stages of 18 bottlenecks, widths 16/32/64 (x4)."""
 
     def __init__(self, num_classes=10, depth=164):
@@ -108,10 +116,6 @@ class PreActResNet164(nn.Module):
         self.bn, self.relu = nn.BatchNorm2d(cin), nn.ReLU(inplace=True)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(cin, num_classes)
-
-    def forward(self, x):
-        x = self.relu(self.bn(self.layers(self.conv1(x))))
-        return self.fc(torch.flatten(self.pool(x), 1))
 
 
 class DenseLayer(nn.Module):
@@ -133,7 +137,7 @@ class Transition(nn.Sequential):
                          nn.AvgPool2d(2))
 
 
-class CifarDenseNet(nn.Module):
+class CifarDenseNet(_PreActHead):
     """DenseNet-BC (Huang et al.) with a 3x3 CIFAR stem; densenet121 = blocks (6, 12, 24, 16), growth 32."""
 
     def __init__(self, blocks=(6, 12, 24, 16), growth=32, reduction=0.5, num_classes=10):
@@ -156,10 +160,6 @@ class CifarDenseNet(nn.Module):
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(c, num_classes)
 
-    def forward(self, x):
-        x = self.relu(self.bn(self.layers(self.conv1(x))))
-        return self.fc(torch.flatten(self.pool(x), 1))
-
 
 class WideBlock(nn.Module):
     def __init__(self, cin, cout, stride, dropout):
@@ -178,7 +178,7 @@ class WideBlock(nn.Module):
         return out + identity
 
 
-class WideResNet(nn.Module):
+class WideResNet(_PreActHead):
     """Zagoruyko & Komodakis WRN-depth-k; wrn28_10 = depth 28, widen 10."""
 
     def __init__(self, depth=28, widen=10, dropout=0.0, num_classes=10):
@@ -195,7 +195,3 @@ class WideResNet(nn.Module):
         self.bn, self.relu = nn.BatchNorm2d(cin), nn.ReLU(inplace=True)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(cin, num_classes)
-
-    def forward(self, x):
-        x = self.relu(self.bn(self.layers(self.conv1(x))))
-        return self.fc(torch.flatten(self.pool(x), 1))
