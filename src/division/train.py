@@ -47,8 +47,19 @@ def _save_checkpoint(path: Path, payload: dict):
     os.replace(tmp, path)
 
 
+def _interrupt_on_sigterm():
+    """SIGTERM (kill, SLURM pre-emption) ends the run like Ctrl-C: result.json says interrupted."""
+    import signal
+    import threading
+    if threading.current_thread() is threading.main_thread():
+        def handler(signum, frame):
+            raise KeyboardInterrupt(f"signal {signum}")
+        signal.signal(signal.SIGTERM, handler)
+
+
 def run(cfg: DictConfig) -> dict:
     """Train one configuration; returns the result dict that was written."""
+    _interrupt_on_sigterm()
     info = dist.from_env()
     device = pick_device(cfg.trainer.device, info)
     dist.init(info, device)
