@@ -108,7 +108,7 @@ def out_path(out_dir: Path, model: str, batch: int, method: str, amp: str) -> Pa
 def run_one_subprocess(args, model, batch, method, path: Path) -> dict:
     cmd = [sys.executable, "-m", "division.bench", "--single", "--models", model, "--batches", str(batch),
            "--methods", method, "--image-size", str(args.image_size), "--steps", str(args.steps), "--warmup",
-           str(args.warmup), "--device", args.device, "--amp", args.amp, "--num-classes", str(args.num_classes),
+           str(args.warmup), "--device", args.device, "--amp", args.amp, "--num-classes", str(args.num_classes), "--suite", args.suite,
            "--out", str(path)] + ([] if args.fp_reference else ["--no-fp-reference"])
     env = dict(os.environ)
     if args.threads:
