@@ -88,6 +88,10 @@ def quantize_per_row(x2d: torch.Tensor, bits: int, stochastic: bool = True,
     outside them are clamped (BLPA's fixed per-layer range uses this).
     """
     rows, row_len = x2d.shape
+    if minimum is None and maximum is None and x2d.device.type == "cpu" and x2d.dtype in (torch.float32, torch.bfloat16):
+        fast = _quantize_rows_compiled(x2d, bits, stochastic, generator)
+        if fast is not None:
+            return fast
     levels = (1 << bits) - 1
     xf = x2d.float()
     bad_index = bad_value = None
@@ -116,6 +120,30 @@ def quantize_per_row(x2d: torch.Tensor, bits: int, stochastic: bool = True,
     codes = v.clamp_(0, levels).to(torch.uint8)
     return QuantizedTensor(pack_bits(codes, bits), mn.contiguous(), scale.contiguous(), bits, rows, row_len,
                            x2d.dtype, bad_index, bad_value)
+
+
+def _quantize_rows_compiled(x2d, bits, stochastic, generator):
+    """The fused CPU kernel without an LFC (rows as 1 x n maps); None if unavailable or a row is not finite."""
+    from division import kernels
+    lib = kernels.library()
+    if lib is None:
+        return None
+    rows, row_len = x2d.shape
+    xc = x2d.float().contiguous()
+    minimum = torch.empty(rows, dtype=torch.float32)
+    scale = torch.empty(rows, dtype=torch.float32)
+    aligned = (row_len * bits) % 8 == 0
+    codes = torch.empty(0 if aligned else rows * row_len, dtype=torch.uint8)
+    packed = torch.empty(packed_nbytes(rows * row_len, bits), dtype=torch.uint8)
+    seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator).item()) if stochastic else 0
+    threads = torch.get_num_threads()
+    bad = lib.division_encode(xc.data_ptr(), rows, 1, row_len, 1, row_len, bits, seed, int(stochastic), None,
+                              minimum.data_ptr(), scale.data_ptr(), codes.data_ptr(), packed.data_ptr(), threads)
+    if bad:
+        return None
+    if not aligned:
+        lib.pack_codes(codes.data_ptr(), rows * row_len, bits, packed.data_ptr(), threads)
+    return QuantizedTensor(packed, minimum, scale, bits, rows, row_len, x2d.dtype)
 
 
 @dataclass(eq=False)

@@ -32,6 +32,7 @@ static inline uint64_t splitmix64(uint64_t *s) {
 int division_encode(const float *x, int64_t maps, int64_t h, int64_t w, int64_t bh, int64_t bw, int bits,
                     uint64_t seed, int stochastic, uint16_t *lfc, float *minimum, float *scale, uint8_t *codes,
                     uint8_t *packed, int threads) {
+    /* lfc == NULL: no low-frequency component (a plain per-map quantizer; maps of 1 x n are rows). */
     /* Maps whose codes fill whole bytes are packed on the fly into ``packed``; otherwise codes go to
      * ``codes`` (one byte each) and the caller packs them with pack_codes. */
     const int shift = bits == 1 ? 3 : (bits == 2 ? 2 : (bits == 4 ? 1 : 0));
@@ -43,11 +44,14 @@ int division_encode(const float *x, int64_t maps, int64_t h, int64_t w, int64_t 
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(+:bad)
     for (int64_t m = 0; m < maps; m++) {
         const float *xm = x + m * hw;
-        uint16_t *lm = lfc + m * hb * wb;
+        uint16_t *lm = lfc ? lfc + m * hb * wb : NULL;
         float lf[4096];
         float *lfv = hb * wb <= 4096 ? lf : NULL;
         int finite = 1;
-        for (int64_t i = 0; i < hb; i++) {
+        if (!lm) {
+            for (int64_t i = 0; i < hb * wb && lfv; i++) lfv[i] = 0.0f;
+        }
+        for (int64_t i = 0; i < hb && lm; i++) {
             int64_t h0 = i * bh, h1 = h0 + bh < h ? h0 + bh : h;
             for (int64_t j = 0; j < wb; j++) {
                 int64_t w0 = j * bw, w1 = w0 + bw < w ? w0 + bw : w;
@@ -69,6 +73,7 @@ int division_encode(const float *x, int64_t maps, int64_t h, int64_t w, int64_t 
                 const int64_t w0 = j * bw, w1 = w0 + bw < w ? w0 + bw : w;
                 for (int64_t c = w0; c < w1; c++) {
                     float v = xm[r * w + c] - l;
+                    finite &= isfinite(v) != 0;
                     mn = v < mn ? v : mn;
                     mx = v > mx ? v : mx;
                 }
