@@ -94,7 +94,7 @@ def trained_model(args):
     from hydra import compose, initialize_config_dir
     overrides = [f"model={args.model}", "method=fp", f"trainer.epochs={args.train_epochs}", "logger=none",
                  "trainer.progress=false", "exp_name=analysis", f"data.subset={args.subset}", "trainer.device=cpu",
-                 f"paths.root_dir={args.work_dir}"]
+                 f"paths.root_dir={args.work_dir}", f"data.test_subset={args.test_subset}"]
     if args.synthetic:
         overrides += ["data=synthetic", "data.train_size=64", "data.test_size=32", "data.batch_size=16"]
     elif args.data_root:
@@ -193,6 +193,7 @@ def main(argv=None):
     p.add_argument("--draws", type=int, default=3)
     p.add_argument("--train-epochs", type=int, default=3)
     p.add_argument("--subset", type=int, default=200, help="training images per class for the short training")
+    p.add_argument("--test-subset", type=int, default=50, help="test images per class for the short training")
     p.add_argument("--out", default=str(ROOT / "results" / "analysis"))
     p.add_argument("--work-dir", default=".", help="paths.root_dir of the short training run")
     p.add_argument("--tag", default=None)
