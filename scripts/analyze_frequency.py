@@ -94,7 +94,8 @@ def trained_model(args):
     from hydra import compose, initialize_config_dir
     overrides = [f"model={args.model}", "method=fp", f"trainer.epochs={args.train_epochs}", "logger=none",
                  "trainer.progress=false", "exp_name=analysis", f"data.subset={args.subset}", "trainer.device=cpu",
-                 f"paths.root_dir={args.work_dir}", f"data.test_subset={args.test_subset}"]
+                 f"paths.root_dir={args.work_dir}", f"data.test_subset={args.test_subset}",
+                 f"optim.lr={args.lr}", "optim.warmup_epochs=1"]
     if args.synthetic:
         overrides += ["data=synthetic", "data.train_size=64", "data.test_size=32", "data.batch_size=16"]
     elif args.data_root:
@@ -193,6 +194,7 @@ def main(argv=None):
     p.add_argument("--draws", type=int, default=3)
     p.add_argument("--train-epochs", type=int, default=3)
     p.add_argument("--subset", type=int, default=200, help="training images per class for the short training")
+    p.add_argument("--lr", type=float, default=0.02, help="learning rate of the short training (per 128 images)")
     p.add_argument("--test-subset", type=int, default=50, help="test images per class for the short training")
     p.add_argument("--out", default=str(ROOT / "results" / "analysis"))
     p.add_argument("--work-dir", default=".", help="paths.root_dir of the short training run")
