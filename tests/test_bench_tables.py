@@ -31,10 +31,13 @@ def test_parse_bytes():
 
 
 def test_tiny_benchmark_through_subprocess(tmp_path):
-    proc = subprocess.run([sys.executable, "scripts/bench.py", "--models", "resnet20", "--batches", "4",
-                           "--methods", "fp,division", "--image-size", "32", "--num-classes", "10", "--steps", "2",
-                           "--warmup", "1", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    suite = tmp_path / "tiny.yaml"
+    suite.write_text("suite: tiny\nmodels: [resnet20]\nbatches: [4]\nmethods: [fp, division]\nimage_size: 32\n"
+                     "num_classes: 10\nsteps: 2\nwarmup: 1\n")
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "--config", str(suite), "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    tmp_path = out
     assert proc.returncode == 0, proc.stderr[-2000:]
     files = sorted(tmp_path.glob("*.json"))
     assert len(files) == 2
@@ -43,6 +46,15 @@ def test_tiny_benchmark_through_subprocess(tmp_path):
         assert rec["status"] == "ok" and rec["throughput_img_s"] > 0 and rec["act_mem_bytes"] > 0
     div = next(r for r in recs if r["method"] == "division")
     assert div["act_compression"] > 5
+    assert all(r["suite"] == "tiny" for r in recs)
+
+
+def test_bench_config_rejects_unknown_keys(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("suite: x\nmodel: resnet20\n")
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "--config", str(bad)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and "unknown keys ['model']" in proc.stderr
 
 
 def _fixture(root: Path):

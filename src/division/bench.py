@@ -131,6 +131,7 @@ def _identity(args, model, batch, method):
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="a suite file from configs/bench/ (flags given after it win)")
     p.add_argument("--models", default="resnet50")
     p.add_argument("--batches", default="4,8")
     p.add_argument("--methods", default="fp,checkpoint,swap,blpa,actnn,division")
@@ -148,7 +149,19 @@ def parse(argv=None):
     p.add_argument("--no-fp-reference", dest="fp_reference", action="store_false",
                    help="skip the full-precision reference forward (peak-memory probes)")
     p.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.config:
+        from omegaconf import OmegaConf
+        suite = OmegaConf.to_container(OmegaConf.load(args.config))
+        unknown = sorted(set(suite) - set(vars(args)))
+        if unknown:
+            raise SystemExit(f"{args.config}: unknown keys {unknown}; valid keys: {sorted(vars(args))}")
+        given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv if argv is not None else sys.argv[1:])
+                 if a.startswith("--")}
+        for key, value in suite.items():
+            if key not in given:
+                setattr(args, key, ",".join(map(str, value)) if isinstance(value, list) else value)
+    return args
 
 
 def main(argv=None):
