@@ -146,12 +146,20 @@ def accuracy_table(runs, paper, out: Path):
         cols, prows = prow.get("columns", []), prow.get("rows", {})
         pname = {"fp": "normal"}.get(method, method)
         pval = ""
-        if f"{data}/{model}" in prows and pname in cols:
+        if exp.startswith("paper_") and f"{data}/{model}" in prows and pname in cols:
             v = prows[f"{data}/{model}"][cols.index(pname)]
             pval = "" if v is None else f"{v:.2f}"
         rows.append([exp, data, model, method, f"{mean:.2f} ± {std:.2f}", len(vals), gap, pval])
     text = _write_table(out / "accuracy", header, rows,
-                        "Test top-1 accuracy, mean ± std over seeds (n runs); gap = method mean - fp mean.")
+                        "Test top-1 accuracy (last epoch), mean ± std over seeds (n runs); gap = method mean - fp "
+                        "mean. Paper figures appear beside runs of the paper's own recipes (experiments paper_*).")
+    acc = paper.get("accuracy_top1_percent", {})
+    if acc:
+        cols = acc["columns"]
+        prow = [[k] + ["" if v is None else f"{v:.2f}" for v in vals] for k, vals in acc["rows"].items()]
+        text += "\n\n" + _write_table(out / "accuracy_paper", ["data/model"] + cols, prow,
+                                       "The paper's published top-1 accuracy (GPU, full recipes): "
+                                       + paper.get("source", ""))
     _plot_accuracy_curves(ok, out / "accuracy_curves.png")
     return [text]
 
