@@ -510,10 +510,13 @@ def install(model: nn.Module, policy: SavePolicy) -> List[str]:
         m.forward = types.MethodType(make(m, policy, name or kind), m)
         covered.append(name)
     modes = []
+    # the function mode costs a Python call per op: enter it only in models that have attention
+    has_attention = any(isinstance(m, nn.MultiheadAttention) or type(m).__name__.endswith("Attention")
+                        for m in model.modules())
 
     def begin(mod, args):
         policy.begin_forward()
-        if "attn" in policy.kinds and mod.training and torch.is_grad_enabled() and policy.enabled:
+        if has_attention and "attn" in policy.kinds and mod.training and torch.is_grad_enabled() and policy.enabled:
             mode = AttentionMode(policy)
             mode.__enter__()
             modes.append(mode)
