@@ -179,6 +179,19 @@ def test_bf16_autocast_cpu():
                for p in model.parameters())
 
 
+def test_reuse_relu_mask_applies_to_inplace_relu_outputs():
+    grads = {}
+    for reuse in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(8, 4, 3, padding=1))
+        build({"name": "division", "reuse_relu_mask": reuse, "layers": ["conv", "relu"]}).prepare(model)
+        torch.manual_seed(1)
+        x = torch.randn(2, 3, 16, 16)
+        model(x).square().sum().backward()
+        grads[reuse] = model[2].weight.grad.clone()
+    assert not torch.equal(grads[False], grads[True])
+
+
 def test_reuse_relu_mask_zeros_exact():
     torch.manual_seed(0)
     model = create_model("resnet20")

@@ -76,21 +76,28 @@ class SavePolicy:
         self.kinds = frozenset(check_layer_kinds(kinds))
         self.reuse_relu_mask = reuse_relu_mask
         self._cache: Dict[tuple, tuple] = {}
+        self._masks: Dict[tuple, tuple] = {}
         self.records: List[SaveRecord] = []
         self.ids = TensorIds()
         self.enabled = True
 
     def begin_forward(self):
         self._cache = {}
+        self._masks = {}
         self.records = []
         self.ids = TensorIds()
 
     def end_forward(self):
         self._cache = {}
+        self._masks = {}
 
     @staticmethod
     def _key(x: torch.Tensor) -> tuple:
         return (storage_key(x), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x._version)
+
+    def _relu_mask(self, x: torch.Tensor):
+        entry = self._masks.get(self._key(x)[:4])
+        return entry[1] if entry is not None and entry[0]() is x else None
 
     def _lookup(self, x: torch.Tensor):
         hit = self._cache.get(self._key(x))
@@ -103,6 +110,8 @@ class SavePolicy:
         hit = self._lookup(x)
         packed = hit[1] if hit is not None else None
         mask = hit[2] if hit is not None else None
+        if mask is None:
+            mask = self._relu_mask(x)
         record = SaveRecord(layer, kind, "", tuple(x.shape), x.numel() * x.element_size(),
                             fp_key=self.ids(x))
         if packed is not None:
@@ -122,7 +131,8 @@ class SavePolicy:
                                        [(storage_key(mask.packed), mask.packed.untyped_storage().nbytes())],
                                        fp_key=fp_key))
         if kind == "relu":
-            self._cache[self._key(y)] = (weakref.ref(y), None, mask)
+            # an in-place ReLU's output gets its version bumped after forward: match it by identity
+            self._masks[self._key(y)[:4]] = (weakref.ref(y), mask)
 
     def save_extra(self, t: torch.Tensor, kind: str, layer: str, codec: str, fp_bytes: int, fp_key=None):
         self.records.append(SaveRecord(layer, kind, codec, tuple(t.shape), fp_bytes,
