@@ -187,6 +187,12 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, path):
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _plot_memory(recs, path, title):
     plt = _plt()
     ok = [r for r in recs if r["status"] == "ok"]
@@ -204,9 +210,7 @@ def _plot_memory(recs, path, title):
         ax.set_title(model)
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def _plot_throughput(ok, path):
@@ -223,9 +227,7 @@ def _plot_throughput(ok, path):
         ax.set_xlabel("batch size")
         ax.set_ylabel("images / s")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def _plot_accuracy_curves(ok, path):
@@ -241,9 +243,7 @@ def _plot_accuracy_curves(ok, path):
     ax.set_xlabel("epoch")
     ax.set_ylabel("top-1 %")
     ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def main(argv=None):

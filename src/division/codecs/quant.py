@@ -3,6 +3,7 @@
 A row is the unit that shares one minimum and one scale: a (sample, channel) map for DIVISION's HFC, a
 group of 256 contiguous elements for ActNN-style quantization, a whole layer for BLPA.
 """
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Optional
 
@@ -33,16 +34,18 @@ def unique_nbytes(tensors) -> int:
     return sum(seen.values())
 
 
-class Packed:
+class Packed(ABC):
     """A compressed activation: what it holds, how many bytes, how to get the tensor back."""
 
     kind = "packed"
 
+    @abstractmethod
     def tensors(self):
-        raise NotImplementedError
+        """Every tensor held (None entries allowed), for byte accounting."""
 
+    @abstractmethod
     def decode(self) -> torch.Tensor:
-        raise NotImplementedError
+        """The rebuilt activation, in its original dtype and shape."""
 
     def nbytes(self) -> int:
         return unique_nbytes(self.tensors())

@@ -1,5 +1,7 @@
 """Methods that keep compressed copies of activations through the saving policy (DIVISION, ActNN-style,
 BLPA, the per-channel ablation). They differ only in which codec keeps which tensor."""
+from abc import ABCMeta, abstractmethod
+
 import torch
 import torch.nn as nn
 
@@ -11,7 +13,7 @@ from division.methods.base import Method
 EXACT_KINDS = ("relu", "maxpool", "dropout", "avgpool")
 
 
-class PolicyMethod(Method):
+class PolicyMethod(Method, metaclass=ABCMeta):
     """A method defined by a codec per tensor; ReLU/dropout masks, max-pool indices and average pools are
     exact in all of them."""
 
@@ -20,8 +22,9 @@ class PolicyMethod(Method):
         self.layers = compress.check_layer_kinds(layers)
         self.policy = compress.SavePolicy(self.choose, self.layers, reuse_relu_mask)
 
+    @abstractmethod
     def choose(self, kind: str, x: torch.Tensor):
-        raise NotImplementedError
+        """The packed copy that keeps ``x`` (saved by a layer of ``kind``) for backward."""
 
     def prepare(self, model: nn.Module) -> nn.Module:
         self.token_grid = token_grid(model)
