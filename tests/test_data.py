@@ -96,3 +96,18 @@ def test_real_cifar10_subset(real_data_dir, tmp_path):
     x, y = next(iter(train))
     assert x.shape == (50, 3, 32, 32)
     assert abs(x.mean().item()) < 0.5 and 0.5 < x.std().item() < 1.5
+
+
+def test_imagenet_folder_subsets(tmp_path):
+    """ImageNet as ImageFolder train/ and val/: subset and test_subset both keep per-class counts."""
+    _make_tree(tmp_path / "imagenet", per_class=4, size=40, fmt="jpg")
+    (tmp_path / "imagenet" / "test").rename(tmp_path / "imagenet" / "val")
+    cfg = compose([f"data.root={tmp_path}", "data=imagenet", "data.num_classes=3", "data.image_size=32",
+                   "data.batch_size=2", "data.eval_batch_size=5", "data.workers=0", "data.subset=2",
+                   "data.test_subset=1", f"paths.root_dir={tmp_path}"]).data
+    train, test, info = data_lib.build(cfg)
+    assert (info.train_size, info.test_size) == (6, 3)
+    x, y = next(iter(train))
+    assert x.shape == (2, 3, 32, 32)
+    labels = torch.cat([yb for _, yb in test])
+    assert sorted(labels.tolist()) == [0, 1, 2]

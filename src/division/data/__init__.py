@@ -100,17 +100,20 @@ def _imagenet(cfg, batch, eval_batch, seed, rank, world_size):
     if int(cfg.subset):
         keep = stratified_subset(np.asarray(train_ds.targets), int(cfg.subset), seed)
         train_ds = torch.utils.data.Subset(train_ds, keep.tolist())
+    if int(cfg.get("test_subset", 0) or 0):
+        keep = stratified_subset(np.asarray(val_ds.targets), int(cfg.test_subset), seed)
+        val_ds = torch.utils.data.Subset(val_ds, keep.tolist())
     sampler = None
     if world_size > 1:
         sampler = torch.utils.data.distributed.DistributedSampler(train_ds, world_size, rank, seed=seed)
     workers = int(cfg.get("workers", 8))
     train = torch.utils.data.DataLoader(train_ds, batch, shuffle=sampler is None, sampler=sampler,
-                                        num_workers=workers, pin_memory=True, drop_last=True,
+                                        num_workers=workers, pin_memory=torch.cuda.is_available(), drop_last=True,
                                         persistent_workers=workers > 0)
     val_sampler = (torch.utils.data.distributed.DistributedSampler(val_ds, world_size, rank, shuffle=False)
                    if world_size > 1 else None)
     test = torch.utils.data.DataLoader(val_ds, eval_batch, sampler=val_sampler, num_workers=workers,
-                                       pin_memory=True)
+                                       pin_memory=torch.cuda.is_available())
     info = DataInfo("imagenet", int(cfg.num_classes), size, len(train_ds), len(val_ds), str(cfg.root or root))
     return train, test, info
 
