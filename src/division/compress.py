@@ -1,7 +1,7 @@
 """The saving policy: custom autograd functions that keep compressed copies of what backward needs.
 
-``install(model, policy)`` points the forward of every covered module (Conv2d, BatchNorm2d, Linear, ReLU,
-MaxPool2d, Dropout, average pools) at a function that, in training steps only, runs the exact forward and
+``install(model, policy)`` points the forward of every covered module (Conv2d, BatchNorm2d, SyncBatchNorm,
+Linear, ReLU, MaxPool2d, Dropout, average pools, LayerNorm, GELU) at a function that, in training steps only, runs the exact forward and
 hands the tensor backward needs to ``policy.save``. Parameters, buffers and the state_dict are untouched;
 eval mode and ``torch.no_grad()`` run the module's own forward. Modules whose class overrides ``forward``
 (timm's fused or "same"-padding variants, for example) keep their own autograd and are reported uncovered.
@@ -233,6 +233,68 @@ class _BatchNorm2dFn(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None, None, None
 
 
+class _SyncBatchNorm2dFn(torch.autograd.Function):
+    """Batch norm over the union of all ranks' batches, keeping a compressed input.
+
+    Forward gathers each rank's (count, mean, M2) in one collective and merges them with Chan's formula
+    (exact, no sum-of-squares cancellation); backward all-reduces the two per-channel sums the input
+    gradient needs. Weight and bias gradients stay local: DDP averages them, as it does for
+    ``nn.SyncBatchNorm``. Works on any backend (gloo on CPU included), unlike PyTorch's own.
+    """
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, group, policy, layer):
+        dims = (0, 2, 3)
+        xf = x.float()
+        count = x.numel() // x.shape[1]
+        local_mean = xf.mean(dims)
+        local_m2 = ((xf - local_mean[None, :, None, None]) ** 2).sum(dims)
+        mine = torch.cat([local_mean.new_tensor([count]), local_mean, local_m2])
+        world = torch.distributed.get_world_size(group)
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        torch.distributed.all_gather(gathered, mine, group=group)
+        stats = torch.stack(gathered)
+        counts, means, m2s = stats[:, :1], stats[:, 1:1 + x.shape[1]], stats[:, 1 + x.shape[1]:]
+        total = counts.sum()
+        mean = (counts * means).sum(0) / total
+        m2 = (m2s + counts * (means - mean) ** 2).sum(0)
+        var = m2 / total
+        invstd = torch.rsqrt(var + eps)
+        if running_mean is not None:
+            with torch.no_grad():
+                running_mean.lerp_(mean.to(running_mean.dtype), momentum)
+                running_var.lerp_((m2 / (total - 1).clamp(min=1)).to(running_var.dtype), momentum)
+        scale = invstd if weight is None else invstd * weight.float()
+        shift = -mean * scale if bias is None else bias.float() - mean * scale
+        out = (xf * scale[None, :, None, None] + shift[None, :, None, None]).to(x.dtype)
+        ctx.saved = policy.save(x, "bn", layer)
+        param_dtype = next((p.dtype for p in (weight, bias) if p is not None), x.dtype)
+        ctx.conf = (x.dtype, param_dtype, group, float(total), weight is not None, bias is not None)
+        ctx.save_for_backward(weight, mean, invstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, mean, invstd = ctx.saved_tensors
+        dtype, param_dtype, group, total, has_weight, has_bias = ctx.conf
+        x = ctx.saved.decode().float()
+        ctx.saved = None
+        g = grad.float()
+        xhat = (x - mean[None, :, None, None]) * invstd[None, :, None, None]
+        del x
+        local = torch.cat([g.sum((0, 2, 3)), (g * xhat).sum((0, 2, 3))])
+        gw = local[mean.numel():].to(param_dtype) if has_weight and ctx.needs_input_grad[1] else None
+        gb = local[:mean.numel()].to(param_dtype) if has_bias and ctx.needs_input_grad[2] else None
+        gx = None
+        if ctx.needs_input_grad[0]:
+            both = local.clone()  # gw and gb are views of ``local`` and must stay this rank's own
+            torch.distributed.all_reduce(both, group=group)
+            mean_g, mean_gxhat = (both / total).split(mean.numel())
+            scale = invstd if weight is None else invstd * weight.float()
+            gx = ((g - mean_g[None, :, None, None] - xhat * mean_gxhat[None, :, None, None])
+                  * scale[None, :, None, None]).to(dtype)
+        return gx, gw, gb, None, None, None, None, None, None, None
+
+
 class _ReLUFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, inplace, policy, layer):
@@ -438,6 +500,22 @@ def _bn(m, x, policy, name, plain):
     return _BatchNorm2dFn.apply(x, m.weight, m.bias, m.running_mean, m.running_var, momentum, m.eps, policy, name)
 
 
+def _sync_bn(m, x, policy, name, plain):
+    """SyncBatchNorm on a 4-D input; one rank (or no process group) is plain batch norm."""
+    group = m.process_group or (torch.distributed.group.WORLD if torch.distributed.is_initialized() else None)
+    if x.dim() != 4 or group is None or torch.distributed.get_world_size(group) == 1:
+        return _bn(m, x, policy, name, plain) if x.dim() == 4 else None
+    if not (m.track_running_stats and m.running_mean is not None):
+        running_mean = running_var = None
+        momentum = 0.0
+    else:
+        running_mean, running_var = m.running_mean, m.running_var
+        m.num_batches_tracked.add_(1)
+        momentum = 1.0 / float(m.num_batches_tracked) if m.momentum is None else m.momentum
+    return _SyncBatchNorm2dFn.apply(x, m.weight, m.bias, running_mean, running_var, momentum, m.eps, group,
+                                    policy, name)
+
+
 def _relu(m, x, policy, name, plain):
     return _ReLUFn.apply(x, m.inplace and not x.is_leaf, policy, name)
 
@@ -476,6 +554,7 @@ _COVERED = (
     (nn.Conv2d, "conv", _routed(_conv)),
     (nn.Linear, "linear", _routed(_linear)),
     (nn.BatchNorm2d, "bn", _routed(_bn)),
+    (nn.SyncBatchNorm, "bn", _routed(_sync_bn)),
     (nn.ReLU, "relu", _routed(_relu)),
     (nn.Dropout, "dropout", _routed(_dropout)),
     (nn.MaxPool2d, "maxpool", _routed(_maxpool)),

@@ -70,6 +70,9 @@ def run(cfg: DictConfig) -> dict:
         raise ValueError(f"trainer.amp={amp!r} is invalid; valid choices: {list(engine.AMP_DTYPES)}")
     if amp == "fp16" and device.type != "cuda":
         raise ValueError("trainer.amp=fp16 needs CUDA; on CPU use trainer.amp=bf16")
+    if cfg.trainer.get("sync_bn") and info.enabled and device.type != "cuda":
+        raise ValueError(f"trainer.sync_bn=true needs CUDA (DistributedDataParallel refuses SyncBatchNorm on "
+                         f"{device.type}); set trainer.sync_bn=false")
 
     resolved = OmegaConf.to_container(cfg, resolve=True)
     cfg_hash = results.config_hash(resolved)
