@@ -110,15 +110,21 @@ def trained_model(args):
 
 
 def real_batch(args):
+    """``args.batch`` test images drawn at random from a class-stratified subset (the test loader is
+    ordered by class, so its first batch would hold one class only)."""
     from division import data as data_lib
     from hydra import compose, initialize_config_dir
-    overrides = ["data.subset=10", f"data.batch_size={args.batch}"]
+    overrides = ["data.subset=10"]
     if args.data_root:
         overrides.append(f"data.root={args.data_root}")
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "configs")):
         cfg = compose(config_name="train", overrides=overrides)
+    cfg.data.test_subset = -(-args.batch // int(cfg.data.num_classes))
     _, test, _ = data_lib.build(cfg.data)
-    return next(iter(test))
+    xs, ys = zip(*test)
+    x, y = torch.cat(xs), torch.cat(ys)
+    pick = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))[:args.batch]
+    return x[pick], y[pick]
 
 
 def plots(out, tag, report):
@@ -190,7 +196,7 @@ def main(argv=None):
     p.add_argument("--model", default="resnet18")
     p.add_argument("--data-root", default=os.environ.get("DATA_DIR"))
     p.add_argument("--synthetic", action="store_true", help="random data (tests); no real CIFAR-10 needed")
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--batch", type=int, default=200, help="real test images analysed (all classes)")
     p.add_argument("--draws", type=int, default=3)
     p.add_argument("--train-epochs", type=int, default=3)
     p.add_argument("--subset", type=int, default=200, help="training images per class for the short training")
