@@ -68,3 +68,16 @@ def test_exact_codec_gives_zero_gradient_error():
     x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
     errs = gradient_error(model, CodecMethod(lambda t: FullCopy(t)), x, y, draws=1)
     assert max(e["rel_error"] for e in errs.values()) < 1e-5
+
+
+def test_relu_mask_applies_to_lfc_only_approximation():
+    """lfc_only+relu_mask must differ from lfc_only: the mask zeroes the LFC where the ReLU output was 0."""
+    import torch.nn as nn
+    from division.analysis import CodecMethod, lfc_only
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                          nn.Conv2d(8, 4, 3, padding=1), nn.Flatten(), nn.Linear(4 * 16 * 16, 10))
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+    plain, masked = (gradient_error(model, CodecMethod(lfc_only(8), reuse_relu_mask=r), x, y, draws=1)["3.weight"]
+                     for r in (False, True))
+    assert masked["rel_error"] < plain["rel_error"]

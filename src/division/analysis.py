@@ -38,11 +38,18 @@ class CodecMethod(PolicyMethod):
         return self.encode(x) if x.dim() == 4 else FullCopy(x)
 
 
+class Approximation(FullCopy):
+    """A float tensor standing in for the activation (LFC alone, HFC alone): unlike an exact full copy,
+    ``reuse_relu_mask`` applies to it."""
+
+    kind = "approximation"
+
+
 def lfc_only(block: int):
     def encode(x):
         n, c, h, w = x.shape
         bhw = lfc_blocks(h, w, block)
-        return FullCopy(upsample_blocks(block_average(x.float(), bhw), bhw, h, w).to(x.dtype).contiguous())
+        return Approximation(upsample_blocks(block_average(x.float(), bhw), bhw, h, w).to(x.dtype).contiguous())
     return encode
 
 
@@ -50,7 +57,7 @@ def hfc_only(block: int):
     def encode(x):
         n, c, h, w = x.shape
         bhw = lfc_blocks(h, w, block)
-        return FullCopy((x.float() - upsample_blocks(block_average(x.float(), bhw), bhw, h, w)).to(x.dtype))
+        return Approximation((x.float() - upsample_blocks(block_average(x.float(), bhw), bhw, h, w)).to(x.dtype))
     return encode
 
 
