@@ -9,7 +9,7 @@ export DATA_DIR := $(abspath ../shared/datasets)
 endif
 endif
 
-.PHONY: setup train test test-slow tables clean
+.PHONY: setup train test test-slow tables analysis clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,9 @@ test-slow: setup
 
 tables: setup
 	$(PY) scripts/make_tables.py
+
+analysis: setup
+	$(PY) scripts/analyze_frequency.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs multirun

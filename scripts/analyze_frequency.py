@@ -7,7 +7,9 @@ quantizers at 1, 2 and 4 bits, and the weight-gradient error (relative L2, cosin
 draws) when backward uses the LFC alone, the HFC alone, LFC + b-bit HFC, or a plain b-bit quantizer, each
 with and without reuse_relu_mask, beside the bits per element each variant holds.
 
-    DATA_DIR=../shared/datasets python scripts/analyze_frequency.py            # full run (~10 min, 2 CPUs)
+    DATA_DIR=../shared/datasets python scripts/analyze_frequency.py
+        # the committed run: ~12 min on 2 CPUs, ~7 min when the trained checkpoint already exists
+    python scripts/analyze_frequency.py --replot                                 # plots and summary from the JSON
     python scripts/analyze_frequency.py --synthetic --model resnet20 --tag tiny  # smoke run, no data needed
 """
 import argparse
@@ -104,6 +106,9 @@ def trained_model(args):
         cfg = compose(config_name="train", overrides=overrides + ["skip_done=true"])
     result = run(cfg)
     ckpt = Path(cfg.paths.runs_dir) / "analysis" / result["run_id"] / "checkpoint.pt"
+    if not ckpt.exists():  # a committed result.json without its (untracked) checkpoint: train again
+        cfg.skip_done = False
+        result = run(cfg)
     model = create_model(args.model, num_classes=int(cfg.model.num_classes))
     model.load_state_dict(torch.load(ckpt, map_location="cpu", weights_only=False)["model"])
     return model, str(ckpt), result
@@ -141,7 +146,11 @@ def plots(out, tag, report):
                 ax.plot(*zip(*pts), marker=marker, linestyle="--" if reuse else "-",
                         label=f"{family}{' + relu mask' if reuse else ''}")
         for k, marker in (("lfc_only", "^"), ("hfc_only", "v")):
-            ax.scatter([g[k]["bits_per_element"]], [g[k]["mean_rel_error"]], marker=marker, label=k)
+            for suffix, face in (("", None), ("+relu_mask", "none")):
+                point = g[k + suffix]
+                ax.scatter([point["bits_per_element"]], [point["mean_rel_error"]], marker=marker,
+                           facecolors=face, edgecolors="C3" if k == "lfc_only" else "C4",
+                           color=None if face else ("C3" if k == "lfc_only" else "C4"), label=k + suffix)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("bits per element held")
         ax.set_ylabel("weight-gradient relative L2 error (mean over layers)")
@@ -197,18 +206,24 @@ def main(argv=None):
     p.add_argument("--data-root", default=os.environ.get("DATA_DIR"))
     p.add_argument("--synthetic", action="store_true", help="random data (tests); no real CIFAR-10 needed")
     p.add_argument("--batch", type=int, default=200, help="real test images analysed (all classes)")
-    p.add_argument("--draws", type=int, default=3)
-    p.add_argument("--train-epochs", type=int, default=3)
-    p.add_argument("--subset", type=int, default=200, help="training images per class for the short training")
+    p.add_argument("--draws", type=int, default=2)
+    p.add_argument("--train-epochs", type=int, default=4)
+    p.add_argument("--subset", type=int, default=100, help="training images per class for the short training")
     p.add_argument("--lr", type=float, default=0.02, help="learning rate of the short training (per 128 images)")
     p.add_argument("--test-subset", type=int, default=50, help="test images per class for the short training")
     p.add_argument("--out", default=str(ROOT / "results" / "analysis"))
     p.add_argument("--work-dir", default=".", help="paths.root_dir of the short training run")
     p.add_argument("--tag", default=None)
+    p.add_argument("--replot", action="store_true", help="only redraw the plots and summary from the JSON")
     args = p.parse_args(argv)
     tag = args.tag or f"{args.model}_{'synthetic' if args.synthetic else 'cifar10'}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        report = json.loads((out / f"frequency_{tag}.json").read_text())
+        plots(out, tag, report)
+        (out / f"frequency_{tag}.md").write_text(summary(report) + "\n")
+        return
     if args.synthetic:
         g = torch.Generator().manual_seed(0)
         x, y = torch.randn(args.batch, 3, 32, 32, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
