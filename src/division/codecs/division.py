@@ -53,9 +53,11 @@ def _decode_compiled(p: "DivisionPacked") -> torch.Tensor:
     from division import kernels
     n, c, h, w = p.shape
     out = torch.empty((n, c, h, w), dtype=torch.float32)
-    kernels.library().division_decode(_ptr(p.hfc.packed), _ptr(p.lfc), _ptr(p.hfc.minimum), _ptr(p.hfc.scale),
-                                      n * c, h, w, p.block_hw[0], p.block_hw[1], p.hfc.bits, _ptr(out),
-                                      torch.get_num_threads())
+    failed = kernels.library().division_decode(
+        _ptr(p.hfc.packed), _ptr(p.lfc), _ptr(p.hfc.minimum), _ptr(p.hfc.scale), n * c, h, w, p.block_hw[0],
+        p.block_hw[1], p.hfc.bits, _ptr(out), torch.get_num_threads())
+    if failed:
+        raise MemoryError(f"DIVISION decode kernel could not allocate its row buffers ({failed} maps left)")
     return out
 
 

@@ -55,7 +55,7 @@ def _build() -> ctypes.CDLL:
     lib.pack_codes.argtypes = [p, i64, i32, p, i32]
     lib.pack_codes.restype = None
     lib.division_decode.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i32, p, i32]
-    lib.division_decode.restype = None
+    lib.division_decode.restype = i32
     return lib
 
 
