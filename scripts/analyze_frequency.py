@@ -5,7 +5,8 @@ short training whose checkpoint is kept), for every convolution input it measure
 activation energy (B = 2, 4, 8, 16), the reconstruction error of DIVISION, per-channel and per-group
 quantizers at 1, 2 and 4 bits, and the weight-gradient error (relative L2, cosine; mean over stochastic
 draws) when backward uses the LFC alone, the HFC alone, LFC + b-bit HFC, or a plain b-bit quantizer, each
-with and without reuse_relu_mask, beside the bits per element each variant holds.
+with and without reuse_relu_mask, and DIVISION at 2 bits for each block size, beside the bits per element
+each variant holds.
 
     DATA_DIR=../shared/datasets python scripts/analyze_frequency.py
         # the committed run: ~12 min on 2 CPUs, ~7 min when the trained checkpoint already exists
@@ -75,10 +76,14 @@ def analyse(model, x, y, draws, seed):
         codecs = codecs_at(bits)
         variants[f"division@{bits}"] = (codecs["division"].encode, bits_per_element(codecs["division"], acts))
         variants[f"per_channel@{bits}"] = (codecs["per_channel"].encode, bits_per_element(codecs["per_channel"], acts))
+    for block in BLOCKS:
+        if block != 8:  # the block-size sweep at 2 bits, without the ReLU mask
+            codec = DivisionCodec(block, 2)
+            variants[f"division@2,B={block}"] = (codec.encode, bits_per_element(codec, acts))
     reference = weight_grads(model.train(), x, y)
     grads = {}
     for vname, (encode, bpe) in variants.items():
-        for reuse in (False, True):
+        for reuse in ((False,) if ",B=" in vname else (False, True)):
             torch.manual_seed(seed)
             errs = gradient_error(model, CodecMethod(encode, vname, reuse_relu_mask=reuse), x, y, draws, reference)
             grads[f"{vname}{'+relu_mask' if reuse else ''}"] = {
@@ -151,6 +156,12 @@ def plots(out, tag, report):
                 ax.scatter([point["bits_per_element"]], [point["mean_rel_error"]], marker=marker,
                            facecolors=face, edgecolors="C3" if k == "lfc_only" else "C4",
                            color=None if face else ("C3" if k == "lfc_only" else "C4"), label=k + suffix)
+        sweep = [(f"division@2,B={b}" if b != 8 else "division@2", b) for b in BLOCKS]
+        for key, block in sweep:
+            ax.annotate(f"B={block}", (g[key]["bits_per_element"], g[key]["mean_rel_error"]), fontsize=6,
+                        textcoords="offset points", xytext=(4, -8))
+        ax.scatter([g[k]["bits_per_element"] for k, _ in sweep], [g[k]["mean_rel_error"] for k, _ in sweep],
+                   marker="x", color="C0", label="division@2, block sweep")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("bits per element held")
         ax.set_ylabel("weight-gradient relative L2 error (mean over layers)")
