@@ -99,22 +99,32 @@ def _paper_memory(paper, model, method):
 
 
 def throughput_table(bench, paper, out: Path):
-    """(b) throughput against batch size per model and method."""
+    """(b) throughput against batch size per model and method. A suite measured in several rounds
+    (results/bench/<suite>/<round>/...) gets the median over rounds, its range, and the median of each
+    round's ratio to that round's fp, so that slow spells of a shared machine cancel."""
     ok = [r for r in bench if r["status"] == "ok"]
     if not ok:
         return []
-    header = ["suite", "model", "batch", "method", "amp", "img/s", "relative to fp", "paper img/s (batch 64)"]
-    rows = []
-    for r in sorted(ok, key=lambda r: (r.get("suite", ""), r["model"], r["batch_size"], _rank(r["method"]))):
-        fp = next((q for q in ok if q.get("suite") == r.get("suite") and q["model"] == r["model"] and
-                   q["batch_size"] == r["batch_size"] and q["method"] == "fp" and q.get("amp") == r.get("amp")), None)
-        rel = f"{r['throughput_img_s'] / fp['throughput_img_s']:.2f}" if fp else ""
-        pth = paper.get("throughput_images_per_s", {}).get(r["model"], {}).get(PAPER_NAMES.get(r["method"], ""), [None])
-        rows.append([r.get("suite", ""), r["model"], r["batch_size"], r["method"], r.get("amp", "none"),
-                     f"{r['throughput_img_s']:.2f}", rel, "" if pth[0] is None else f"{pth[0]:.0f}"])
+    cells = defaultdict(list)
+    for r in ok:
+        cells[(r.get("suite", ""), r["model"], r["batch_size"], r["method"], r.get("amp", "none"))].append(r)
+    header = ["suite", "model", "batch", "method", "amp", "img/s", "range (rounds)", "relative to fp",
+              "paper img/s (batch 64)"]
+    rows, merged = [], []
+    for key in sorted(cells, key=lambda k: (k[0], k[1], k[2], _rank(k[3]))):
+        suite, model, batch, method, amp = key
+        recs = cells[key]
+        speeds = [r["throughput_img_s"] for r in recs]
+        fp_by_round = {r.get("round"): r["throughput_img_s"] for r in cells.get((suite, model, batch, "fp", amp), [])}
+        ratios = [r["throughput_img_s"] / fp_by_round[r.get("round")] for r in recs if r.get("round") in fp_by_round]
+        pth = paper.get("throughput_images_per_s", {}).get(model, {}).get(PAPER_NAMES.get(method, ""), [None])
+        spread = f"{min(speeds):.2f}-{max(speeds):.2f} ({len(speeds)})" if len(speeds) > 1 else ""
+        rows.append([suite, model, batch, method, amp, f"{statistics.median(speeds):.2f}", spread,
+                     f"{statistics.median(ratios):.2f}" if ratios else "", "" if pth[0] is None else f"{pth[0]:.0f}"])
+        merged.append(dict(recs[0], throughput_img_s=statistics.median(speeds)))
     text = _write_table(out / "throughput", header, rows,
                         "Training throughput (median over timed steps, synthetic data on the device).")
-    _plot_throughput(ok, out / "throughput.png")
+    _plot_throughput(merged, out / "throughput.png")
     return [text]
 
 
@@ -254,10 +264,12 @@ def main(argv=None):
     out = res / "tables"
     paper = json.loads((res / "reference" / "division_paper_numbers.json").read_text())
     bench = [r for r in _load(res / "bench") if "batch_size" in r]
-    for r in bench:  # the folder names the suite
+    for r in bench:  # the folder names the suite, a subfolder (if any) the round of a repeated suite
         parts = Path(r["_path"]).parts
         if len(parts) > 1:
             r["suite"] = parts[0]
+        if len(parts) > 2:
+            r["round"] = parts[1]
     runs = [r for r in _load(res / "runs") if "epochs" in r]
     maxb = [r for r in _load(res / "max_batch") if "max_batch" in r and ".probe" not in r["_path"]]
     texts = memory_table(bench, paper, out) + throughput_table(bench, paper, out) + \

@@ -71,6 +71,14 @@ def _fixture(root: Path):
             rec.update(act_mem_bytes=held, act_mem_fp_bytes=100e6, act_compression=100e6 / held,
                        peak_mem_bytes=2e9, throughput_img_s=speed)
         (bench / f"resnet50_b{batch}_{method}.json").write_text(json.dumps(rec))
+    for rnd, fp_speed, div_speed in [("r1", 4.0, 3.0), ("r2", 5.0, 4.5), ("r3", 6.0, 3.0)]:
+        folder = root / "bench" / "cpu_repeat" / rnd
+        folder.mkdir(parents=True)
+        for method, speed in (("fp", fp_speed), ("division", div_speed)):
+            rec = dict(base, model="resnet50", batch_size=8, method=method, status="ok", act_mem_bytes=9e6,
+                       act_mem_fp_bytes=100e6, act_compression=100e6 / 9e6, peak_mem_bytes=2e9,
+                       throughput_img_s=speed)
+            (folder / f"resnet50_b8_{method}.json").write_text(json.dumps(rec))
     runs = root / "runs" / "exp"
     for method, seed, top1 in [("fp", 0, 60.0), ("fp", 1, 62.0), ("division", 0, 59.0)]:
         d = runs / f"{method}-{seed}"
@@ -88,6 +96,9 @@ def test_tables_from_fixtures(tmp_path):
     tables = tmp_path / "tables"
     mem = (tables / "memory_cpu.md").read_text()
     assert "oom" in mem and "missing" in mem and "11.11x" in mem
+    # rounds: median speed 3.00, range 3.00-4.50, median of per-round ratios (0.75, 0.90, 0.50) = 0.75
+    assert "| cpu_repeat | resnet50 | 8 | division | none | 3.00 | 3.00-4.50 (3) | 0.75 |" in \
+        (tables / "throughput.md").read_text()
     acc = (tables / "accuracy.md").read_text()
     assert "61.00 ± 1.41" in acc and "| 2 |" in acc and "-2.00" in acc
     for name in ("memory_cpu.csv", "memory_cpu.tex", "throughput.md", "throughput.png", "memory_cpu.png",
