@@ -175,3 +175,22 @@ def test_compiled_kernel_unbiased_and_falls_back_on_nonfinite():
     p = codec.encode(x)
     assert not getattr(p, "compiled", False)
     assert torch.isnan(p.decode()).sum() == 1
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 29, 4096 + 3])
+def test_compiled_relu_mask_matches_reference(n):
+    _compiled_or_skip()
+    torch.manual_seed(0)
+    y = torch.randn(n)
+    y[0] = float("nan")
+    if n > 2:
+        y[1], y[2] = -0.0, 0.0
+    fast = BitMask.positive(y)
+    ref = BitMask.encode(y > 0)
+    assert torch.equal(fast.packed, ref.packed) and fast.nbytes() == ref.nbytes() == -(-n // 8)
+    g = torch.randn(n)
+    g[-1] = float("nan")
+    expected = torch.where(y > 0, g, torch.zeros(()))
+    assert torch.equal(fast.apply(g).isnan(), expected.isnan())
+    assert torch.equal(fast.apply(g).nan_to_num(), expected.nan_to_num())
+    assert torch.equal(ref.apply(g.double()).float().nan_to_num(), (g * (y > 0)).nan_to_num())

@@ -152,9 +152,7 @@ class Saved:
 
     def decode(self) -> torch.Tensor:
         x = self.packed.decode()
-        if self.mask is not None:
-            x = x * self.mask.decode().view(x.shape)
-        return x
+        return x if self.mask is None else self.mask.apply(x)
 
 
 def _cast(t, dtype):
@@ -304,16 +302,16 @@ class _ReLUFn(torch.autograd.Function):
             ctx.mark_dirty(x)
         else:
             y = x.clamp_min(0)
-        mask = BitMask.encode(y > 0)
+        mask = BitMask.positive(y)
         ctx.mask = mask
         policy.save_mask(y, mask, "relu", layer, fp_bytes, fp_key if inplace else policy.ids(y))
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        mask = ctx.mask.decode().view(grad.shape)
+        grad = ctx.mask.apply(grad)
         ctx.mask = None
-        return grad * mask, None, None, None
+        return grad, None, None, None
 
 
 class _DropoutFn(torch.autograd.Function):

@@ -125,6 +125,14 @@ def quantize_per_row(x2d: torch.Tensor, bits: int, stochastic: bool = True,
                            x2d.dtype, bad_index, bad_value)
 
 
+def _float_kernel(t: torch.Tensor):
+    """The compiled library for a CPU float32 tensor, else None (other tensors take the PyTorch path)."""
+    if t.device.type != "cpu" or t.dtype != torch.float32:
+        return None
+    from division import kernels
+    return kernels.library()
+
+
 def _quantize_rows_compiled(x2d, bits, stochastic, generator):
     """The fused CPU kernel without an LFC (rows as 1 x n maps); None if unavailable or a row is not finite."""
     from division import kernels
@@ -160,6 +168,27 @@ class BitMask(Packed):
     @classmethod
     def encode(cls, mask: torch.Tensor) -> "BitMask":
         return cls(pack_bits(mask.reshape(-1).to(torch.uint8), 1), mask.shape)
+
+    @classmethod
+    def positive(cls, y: torch.Tensor) -> "BitMask":
+        """The mask ``y > 0`` (ReLU's), packed in one pass by the compiled kernel where it applies."""
+        lib = _float_kernel(y)
+        if lib is None:
+            return cls.encode(y > 0)
+        yc = y.contiguous()
+        packed = torch.empty(packed_nbytes(y.numel(), 1), dtype=torch.uint8)
+        lib.mask_positive(yc.data_ptr(), y.numel(), packed.data_ptr(), torch.get_num_threads())
+        return cls(packed, y.shape)
+
+    def apply(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` where the mask is set, 0 elsewhere."""
+        lib = _float_kernel(t)
+        if lib is None:
+            return t * self.decode().view(t.shape)
+        tc = t.contiguous()
+        out = torch.empty(t.shape, dtype=t.dtype)
+        lib.mask_apply(tc.data_ptr(), self.packed.data_ptr(), t.numel(), out.data_ptr(), torch.get_num_threads())
+        return out
 
     def tensors(self):
         return [self.packed]

@@ -56,6 +56,10 @@ def _build() -> ctypes.CDLL:
     lib.pack_codes.restype = None
     lib.division_decode.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i32, p, i32]
     lib.division_decode.restype = i32
+    lib.mask_positive.argtypes = [p, i64, p, i32]
+    lib.mask_positive.restype = None
+    lib.mask_apply.argtypes = [p, p, i64, p, i32]
+    lib.mask_apply.restype = None
     return lib
 
 
