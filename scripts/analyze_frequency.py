@@ -231,9 +231,7 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.replot:
-        report = json.loads((out / f"frequency_{tag}.json").read_text())
-        plots(out, tag, report)
-        (out / f"frequency_{tag}.md").write_text(summary(report) + "\n")
+        write_outputs(out, tag, json.loads((out / f"frequency_{tag}.json").read_text()))
         return
     if args.synthetic:
         g = torch.Generator().manual_seed(0)
@@ -251,10 +249,15 @@ def main(argv=None):
               "stages": {"initialisation": analyse(init, x, y, args.draws, 0),
                          f"after {args.train_epochs} epochs (top-1 {run.get('top1', 0):.1f}%)": analyse(trained, x, y, args.draws, 0)}}
     results.write_json(json_path, report)
+    print(write_outputs(out, tag, report))
+
+
+def write_outputs(out: Path, tag: str, report: dict) -> str:
+    """The plots and the Markdown summary of ``report``; returns the summary."""
     plots(out, tag, report)
     text = summary(report)
-    (out / f"frequency_{tag}.md").write_text(text + "\n")
-    print(text)
+    results.write_text(out / f"frequency_{tag}.md", text + "\n")
+    return text
 
 
 if __name__ == "__main__":

@@ -5,13 +5,18 @@ paper's published numbers (results/reference/division_paper_numbers.json) beside
 """
 import argparse
 import csv
+import io
 import json
 import math
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from division import results  # noqa: E402
 METHOD_ORDER = ["fp", "checkpoint", "swap", "blpa", "actnn", "division", "division_nolfc"]
 PAPER_NAMES = {"fp": "vanilla", "checkpoint": "checkpoint", "blpa": "blpa", "actnn": "actnn", "division": "division"}
 GB = 1024 ** 3
@@ -32,20 +37,20 @@ def _load(folder: Path):
 
 
 def _write_table(stem: Path, header, rows, caption: str):
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    with open(stem.with_suffix(".csv"), "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(header)
-        w.writerows(rows)
+    table = io.StringIO()
+    w = csv.writer(table)
+    w.writerow(header)
+    w.writerows(rows)
+    results.write_text(stem.with_suffix(".csv"), table.getvalue())
     md = [f"{caption}\n", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     md += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    stem.with_suffix(".md").write_text("\n".join(md) + "\n")
+    results.write_text(stem.with_suffix(".md"), "\n".join(md) + "\n")
     esc = lambda s: str(s).replace("_", r"\_").replace("%", r"\%").replace("±", r"$\pm$")
     tex = [r"\begin{table}[t]", r"\centering", rf"\caption{{{esc(caption)}}}",
            r"\begin{tabular}{" + "l" * len(header) + "}", r"\toprule", " & ".join(esc(h) for h in header) + r" \\",
            r"\midrule"] + [" & ".join(esc(c) for c in row) + r" \\" for row in rows] + [r"\bottomrule",
                                                                                           r"\end{tabular}", r"\end{table}"]
-    stem.with_suffix(".tex").write_text("\n".join(tex) + "\n")
+    results.write_text(stem.with_suffix(".tex"), "\n".join(tex) + "\n")
     return "\n".join(md)
 
 

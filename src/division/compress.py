@@ -1,8 +1,8 @@
 """The saving policy: custom autograd functions that keep compressed copies of what backward needs.
 
 ``install(model, policy)`` points the forward of every covered module (Conv2d, BatchNorm2d, SyncBatchNorm,
-Linear, ReLU, MaxPool2d, Dropout, average pools, LayerNorm, GELU) at a function that, in training steps only, runs the exact forward and
-hands the tensor backward needs to ``policy.save``. Parameters, buffers and the state_dict are untouched;
+Linear, ReLU, MaxPool2d, Dropout, average pools, LayerNorm, GELU) at a function that, in training steps
+only, runs the exact forward and hands the tensor backward needs to ``policy.save``. Parameters, buffers and the state_dict are untouched;
 eval mode and ``torch.no_grad()`` run the module's own forward. Modules whose class overrides ``forward``
 (timm's fused or "same"-padding variants, for example) keep their own autograd and are reported uncovered.
 
@@ -490,28 +490,31 @@ def _linear(m, x, policy, name, plain):
     return _LinearFn.apply(x, m.weight, m.bias, policy, name)
 
 
-def _bn(m, x, policy, name, plain):
+def _bn_momentum(m):
+    """Count this training step and return the running-statistics momentum; None if the layer keeps none."""
     if not (m.track_running_stats and m.running_mean is not None):
         return None
     m.num_batches_tracked.add_(1)
-    momentum = 1.0 / float(m.num_batches_tracked) if m.momentum is None else m.momentum
+    return 1.0 / float(m.num_batches_tracked) if m.momentum is None else m.momentum
+
+
+def _bn(m, x, policy, name, plain):
+    momentum = _bn_momentum(m)
+    if momentum is None:
+        return None
     return _BatchNorm2dFn.apply(x, m.weight, m.bias, m.running_mean, m.running_var, momentum, m.eps, policy, name)
 
 
 def _sync_bn(m, x, policy, name, plain):
     """SyncBatchNorm on a 4-D input; one rank (or no process group) is plain batch norm."""
+    if x.dim() != 4:
+        return None
     group = m.process_group or (torch.distributed.group.WORLD if torch.distributed.is_initialized() else None)
-    if x.dim() != 4 or group is None or torch.distributed.get_world_size(group) == 1:
-        return _bn(m, x, policy, name, plain) if x.dim() == 4 else None
-    if not (m.track_running_stats and m.running_mean is not None):
-        running_mean = running_var = None
-        momentum = 0.0
-    else:
-        running_mean, running_var = m.running_mean, m.running_var
-        m.num_batches_tracked.add_(1)
-        momentum = 1.0 / float(m.num_batches_tracked) if m.momentum is None else m.momentum
-    return _SyncBatchNorm2dFn.apply(x, m.weight, m.bias, running_mean, running_var, momentum, m.eps, group,
-                                    policy, name)
+    if group is None or torch.distributed.get_world_size(group) == 1:
+        return _bn(m, x, policy, name, plain)
+    momentum = _bn_momentum(m)
+    running = (m.running_mean, m.running_var) if momentum is not None else (None, None)
+    return _SyncBatchNorm2dFn.apply(x, m.weight, m.bias, *running, momentum or 0.0, m.eps, group, policy, name)
 
 
 def _relu(m, x, policy, name, plain):

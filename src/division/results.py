@@ -12,23 +12,22 @@ import torch
 HASH_IGNORED = ("seed", "paths", "logger", "resume", "skip_done", "run_id", "exp_name")
 
 
-def write_json(path, obj: Any) -> None:
+def write_text(path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: readers see the old file or the new one, never half of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=2, sort_keys=False, default=str)
-        fh.write("\n")
+    with open(tmp, "w", newline="") as fh:
+        fh.write(text)
     os.replace(tmp, path)
+
+
+def write_json(path, obj: Any) -> None:
+    write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
 def write_jsonl(path, rows) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as fh:
-        for row in rows:
-            fh.write(json.dumps(row, default=str) + "\n")
-    os.replace(tmp, path)
+    write_text(path, "".join(json.dumps(row, default=str) + "\n" for row in rows))
 
 
 def read_json(path):

@@ -10,7 +10,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from division.codecs.quant import Bf16Copy, Packed, QuantizedTensor, check_bits, quantize_per_row
+from division.codecs.quant import (Bf16Copy, Packed, QuantizedTensor, check_bits, encode_maps_compiled,
+                                   quantize_per_row)
 
 LFC_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BACKENDS = ("auto", "reference", "compiled")
@@ -21,32 +22,14 @@ def _ptr(t: torch.Tensor):
 
 
 def _encode_compiled(x: torch.Tensor, block_hw, bits: int, stochastic: bool) -> Optional["DivisionPacked"]:
-    """The fused CPU kernel (division/kernels); None when a map holds NaN or Inf, which the reference path
-    keeps exactly."""
-    from division import kernels
-    from division.codecs.packing import packed_nbytes
-    lib = kernels.library()
+    """The fused CPU kernel (division/kernels); None when a map holds NaN or Inf."""
     n, c, h, w = x.shape
-    bh, bw = block_hw
-    hb, wb = -(-h // bh), -(-w // bw)
-    xc = x.float().contiguous()
-    maps = n * c
-    lfc = torch.empty((n, c, hb, wb), dtype=torch.bfloat16)
-    minimum = torch.empty(maps, dtype=torch.float32)
-    scale = torch.empty(maps, dtype=torch.float32)
-    aligned = (h * w * bits) % 8 == 0
-    codes = torch.empty(0 if aligned else x.numel(), dtype=torch.uint8)
-    packed = torch.empty(packed_nbytes(x.numel(), bits), dtype=torch.uint8)
-    seed = int(torch.randint(0, 2 ** 62, (1,)).item()) if stochastic else 0
-    threads = torch.get_num_threads()
-    bad = lib.division_encode(_ptr(xc), maps, h, w, bh, bw, bits, seed, int(stochastic), _ptr(lfc), _ptr(minimum),
-                              _ptr(scale), _ptr(codes), _ptr(packed), threads)
-    if bad:
+    encoded = encode_maps_compiled(x, n * c, h, w, block_hw, bits, stochastic)
+    if encoded is None:
         return None
-    if not aligned:
-        lib.pack_codes(_ptr(codes), x.numel(), bits, _ptr(packed), threads)
-    q = QuantizedTensor(packed, minimum, scale, bits, maps, h * w, x.dtype)
-    return DivisionPacked(lfc, q, block_hw, x.shape, x.dtype, compiled=True)
+    lfc, q = encoded
+    bh, bw = block_hw
+    return DivisionPacked(lfc.view(n, c, -(-h // bh), -(-w // bw)), q, block_hw, x.shape, x.dtype, compiled=True)
 
 
 def _decode_compiled(p: "DivisionPacked") -> torch.Tensor:

@@ -136,25 +136,38 @@ def _float_kernel(t: torch.Tensor):
 def _quantize_rows_compiled(x2d, bits, stochastic, generator):
     """The fused CPU kernel without an LFC (rows as 1 x n maps); None if unavailable or a row is not finite."""
     from division import kernels
-    lib = kernels.library()
-    if lib is None:
+    if kernels.library() is None:
         return None
     rows, row_len = x2d.shape
-    xc = x2d.float().contiguous()
-    minimum = torch.empty(rows, dtype=torch.float32)
-    scale = torch.empty(rows, dtype=torch.float32)
-    aligned = (row_len * bits) % 8 == 0
-    codes = torch.empty(0 if aligned else rows * row_len, dtype=torch.uint8)
-    packed = torch.empty(packed_nbytes(rows * row_len, bits), dtype=torch.uint8)
+    encoded = encode_maps_compiled(x2d, rows, 1, row_len, None, bits, stochastic, generator)
+    return None if encoded is None else encoded[1]
+
+
+def encode_maps_compiled(x: torch.Tensor, maps: int, h: int, w: int, block_hw, bits: int, stochastic: bool,
+                         generator=None):
+    """``x`` as ``maps`` maps of h x w through the fused CPU kernel: (bf16 LFC of ``block_hw`` blocks, or None
+    without blocks; the b-bit HFC). None when a map holds NaN or Inf, which the reference path keeps exactly."""
+    from division import kernels
+    lib = kernels.library()
+    xc = x.float().contiguous()
+    numel = maps * h * w
+    bh, bw = block_hw if block_hw else (1, w)
+    lfc = torch.empty(maps * -(-h // bh) * -(-w // bw), dtype=torch.bfloat16) if block_hw else None
+    minimum = torch.empty(maps, dtype=torch.float32)
+    scale = torch.empty(maps, dtype=torch.float32)
+    aligned = (h * w * bits) % 8 == 0
+    codes = torch.empty(0 if aligned else numel, dtype=torch.uint8)
+    packed = torch.empty(packed_nbytes(numel, bits), dtype=torch.uint8)
     seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator).item()) if stochastic else 0
     threads = torch.get_num_threads()
-    bad = lib.division_encode(xc.data_ptr(), rows, 1, row_len, 1, row_len, bits, seed, int(stochastic), None,
-                              minimum.data_ptr(), scale.data_ptr(), codes.data_ptr(), packed.data_ptr(), threads)
+    bad = lib.division_encode(xc.data_ptr(), maps, h, w, bh, bw, bits, seed, int(stochastic),
+                              None if lfc is None else lfc.data_ptr(), minimum.data_ptr(), scale.data_ptr(),
+                              codes.data_ptr(), packed.data_ptr(), threads)
     if bad:
         return None
     if not aligned:
-        lib.pack_codes(codes.data_ptr(), rows * row_len, bits, packed.data_ptr(), threads)
-    return QuantizedTensor(packed, minimum, scale, bits, rows, row_len, x2d.dtype)
+        lib.pack_codes(codes.data_ptr(), numel, bits, packed.data_ptr(), threads)
+    return lfc, QuantizedTensor(packed, minimum, scale, bits, maps, h * w, x.dtype)
 
 
 @dataclass(eq=False)
