@@ -9,7 +9,7 @@ export DATA_DIR := $(abspath ../shared/datasets)
 endif
 endif
 
-.PHONY: setup train test test-slow tables analysis clean
+.PHONY: setup train test test-slow tables analysis bench clean
 
 setup: $(STAMP)
 
@@ -36,3 +36,7 @@ analysis: setup
 
 clean:
 	rm -rf $(VENV) outputs multirun
+
+SUITE ?= cpu
+bench: setup
+	$(PY) scripts/bench.py --config configs/bench/$(SUITE).yaml $(ARGS)

@@ -102,7 +102,8 @@ def trained_model(args):
     overrides = [f"model={args.model}", "method=fp", f"trainer.epochs={args.train_epochs}", "logger=none",
                  "trainer.progress=false", "exp_name=analysis", f"data.subset={args.subset}", "trainer.device=cpu",
                  f"paths.root_dir={args.work_dir}", f"data.test_subset={args.test_subset}",
-                 f"optim.lr={args.lr}", "optim.warmup_epochs=1"]
+                 f"optim.lr={args.lr}", "optim.warmup_epochs=1", "paths.runs_dir=${paths.results_dir}/runs",
+                 "accept_stale=true"]  # the trained network is the subject of the analysis, not a result
     if args.synthetic:
         overrides += ["data=synthetic", "data.train_size=64", "data.test_size=32", "data.batch_size=16"]
     elif args.data_root:
@@ -243,7 +244,8 @@ def main(argv=None):
     trained, ckpt, run = trained_model(args)
     json_path = out / f"frequency_{tag}.json"
     report = {"model": args.model, "data": "synthetic" if args.synthetic else "cifar10 (JPEG copy)",
-              "batch": int(x.shape[0]), "draws": args.draws, "checkpoint": ckpt,
+              "batch": int(x.shape[0]), "draws": args.draws, "checkpoint": results.relative_to_root(ckpt),
+              **results.provenance(torch.device("cpu")),
               "trained": {"epochs": args.train_epochs, "subset_per_class": args.subset, "top1": run.get("top1")},
               "json": json_path.name,
               "stages": {"initialisation": analyse(init, x, y, args.draws, 0),

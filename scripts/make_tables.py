@@ -54,6 +54,25 @@ def _write_table(stem: Path, header, rows, caption: str):
     return "\n".join(md)
 
 
+def commits(records):
+    """(label, warning) for the commits a table's rows come from: one clean commit is the norm."""
+    tags = sorted({(r.get("git_sha") or "unknown")[:8] + ("+dirty" if r.get("git_dirty") else "")
+                   for r in records})
+    warning = ""
+    if len(tags) > 1:
+        warning = f"WARNING: rows come from {len(tags)} commits"
+    if any(r.get("git_dirty") for r in records) or any(not r.get("git_sha") for r in records):
+        warning += ("; " if warning else "WARNING: ") + "some rows come from uncommitted code or record no commit"
+    return ", ".join(tags), warning
+
+
+def _caption(text, records):
+    label, warning = commits(records)
+    if warning:
+        print(f"{warning} ({label})", file=sys.stderr)
+    return f"{text} Commit(s): {label}." + (f" {warning}." if warning else "")
+
+
 def _methods(records):
     found = {r["method"] for r in records}
     return [m for m in METHOD_ORDER if m in found] + sorted(found - set(METHOD_ORDER))
@@ -69,8 +88,8 @@ def memory_table(bench, paper, out: Path):
         if amp != "none":
             continue
         devices = sorted({r.get("device", "?") for r in recs if r.get("device")})
-        header = ["model", "batch", "method", "activation MiB", "fp-equivalent MiB", "ratio", "step peak MiB",
-                  "paper act. GB (batch)", "paper ratio"]
+        header = ["model", "batch", "method", "activation MiB", "fp-equivalent MiB", "ratio", "step peak growth MiB",
+                  "process peak MiB", "paper act. GB (batch)", "paper ratio"]
         rows = []
         for model in sorted({r["model"] for r in recs}):
             for batch in sorted({r["batch_size"] for r in recs if r["model"] == model}):
@@ -79,17 +98,21 @@ def memory_table(bench, paper, out: Path):
                                 and r["method"] == method), None)
                     p_act, p_ratio = _paper_memory(paper, model, method)
                     if rec is None:
-                        rows.append([model, batch, method, "missing", "", "", "", p_act, p_ratio])
+                        rows.append([model, batch, method, "missing", "", "", "", "", p_act, p_ratio])
                     elif rec["status"] != "ok":
-                        rows.append([model, batch, method, rec["status"], "", "", "", p_act, p_ratio])
+                        rows.append([model, batch, method, rec["status"], "", "", "", "", p_act, p_ratio])
                     else:
                         rows.append([model, batch, method, f"{rec['act_mem_bytes'] / MB:.1f}",
                                      f"{rec['act_mem_fp_bytes'] / MB:.1f}", f"{rec['act_compression']:.2f}x",
-                                     f"{rec.get('peak_mem_growth_bytes', rec['peak_mem_bytes']) / MB:.0f}", p_act, p_ratio])
-        caption = (f"Activation memory held for backward, suite '{suite}' ({'; '.join(devices)}). Ratio = "
-                   f"full-precision-equivalent / held bytes. Step peak = peak memory of the measured steps above "
-                   f"what existed before them (CUDA: allocated; CPU: resident set, which glibc's cached heap "
-                   f"inflates). Paper: GPU, batch 64, activation GB and vanilla/method.")
+                                     f"{rec['peak_mem_growth_bytes'] / MB:.0f}", f"{rec['peak_mem_bytes'] / MB:.0f}",
+                                     p_act, p_ratio])
+        how = sorted({r.get("peak_mem_how", "not recorded") for r in recs if r["status"] == "ok"})
+        caption = _caption(
+            f"Activation memory held for backward, suite '{suite}' ({'; '.join(devices)}). Ratio = "
+            f"full-precision-equivalent / held bytes (parameters and their views excluded). Step peak growth = "
+            f"peak memory of the training steps above what was in use just before them (weights, inputs); "
+            f"process peak = that peak itself ({'; '.join(how)}). Paper: GPU, batch 64, activation GB and "
+            f"vanilla/method.", recs)
         texts.append(_write_table(out / f"memory_{suite}", header, rows, caption))
         _plot_memory(recs, out / f"memory_{suite}.png", f"{suite}: {'; '.join(devices)}")
     return texts
@@ -107,7 +130,7 @@ def throughput_table(bench, paper, out: Path):
     """(b) throughput against batch size per model and method. A suite measured in several rounds
     (results/bench/<suite>/<round>/...) gets the median over rounds, its range, and the median of each
     round's ratio to that round's fp, so that slow spells of a shared machine cancel."""
-    ok = [r for r in bench if r["status"] == "ok"]
+    ok = [r for r in bench if r["status"] == "ok" and r.get("round")]
     if not ok:
         return []
     cells = defaultdict(list)
@@ -127,8 +150,9 @@ def throughput_table(bench, paper, out: Path):
         rows.append([suite, model, batch, method, amp, f"{statistics.median(speeds):.2f}", spread,
                      f"{statistics.median(ratios):.2f}" if ratios else "", "" if pth[0] is None else f"{pth[0]:.0f}"])
         merged.append(dict(recs[0], throughput_img_s=statistics.median(speeds)))
-    text = _write_table(out / "throughput", header, rows,
-                        "Training throughput (median over timed steps, synthetic data on the device).")
+    text = _write_table(out / "throughput", header, rows, _caption(
+        "Training throughput (median over timed steps, synthetic data on the device) from suites measured in "
+        "interleaved rounds; relative to fp = median over rounds of each round's ratio to that round's fp.", ok))
     _plot_throughput(merged, out / "throughput.png")
     return [text]
 
@@ -137,8 +161,23 @@ def _rank(method):
     return METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER)
 
 
-def accuracy_table(runs, paper, out: Path):
-    """(c) accuracy per method: mean ± std over seeds, n, grouped by experiment, data and model."""
+def experiments_of(runs):
+    """Experiments with a config in configs/experiment/: ad-hoc and smoke runs never enter a table."""
+    known = {p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml")}
+    return sorted({Path(r["_path"]).parts[0] for r in runs} & known)
+
+
+def accuracy_tables(runs, paper, out: Path, only=None):
+    texts = []
+    for exp in experiments_of(runs):
+        if only and exp not in only:
+            continue
+        texts += accuracy_table([r for r in runs if Path(r["_path"]).parts[0] == exp], paper, out, exp)
+    return texts
+
+
+def accuracy_table(runs, paper, out: Path, experiment: str):
+    """(c) accuracy per method of one experiment: mean ± std over seeds, n."""
     ok = [r for r in runs if r.get("status") == "ok" and r.get("top1") is not None]
     if not ok:
         return []
@@ -165,9 +204,9 @@ def accuracy_table(runs, paper, out: Path):
             v = prows[f"{data}/{model}"][cols.index(pname)]
             pval = "" if v is None else f"{v:.2f}"
         rows.append([exp, data, model, method, f"{mean:.2f} ± {std:.2f}", len(vals), gap, pval])
-    text = _write_table(out / "accuracy", header, rows,
-                        "Test top-1 accuracy (last epoch), mean ± std over seeds (n runs); gap = method mean - fp "
-                        "mean. Paper figures appear beside runs of the paper's own recipes (experiments paper_*).")
+    text = _write_table(out / f"accuracy_{experiment}", header, rows, _caption(
+        f"Experiment {experiment}: test top-1 accuracy (last epoch), mean ± std over seeds (n runs); gap = method "
+        "mean - fp mean. Paper figures appear beside runs of the paper's own recipes (experiments paper_*).", ok))
     acc = paper.get("accuracy_top1_percent", {})
     if acc:
         cols = acc["columns"]
@@ -175,7 +214,7 @@ def accuracy_table(runs, paper, out: Path):
         text += "\n\n" + _write_table(out / "accuracy_paper", ["data/model"] + cols, prow,
                                        "The paper's published top-1 accuracy (GPU, full recipes): "
                                        + paper.get("source", ""))
-    _plot_accuracy_curves(ok, out / "accuracy_curves.png")
+    _plot_accuracy_curves(ok, out / f"accuracy_curves_{experiment}.png", experiment)
     return [text]
 
 
@@ -192,7 +231,8 @@ def max_batch_table(records, out: Path):
         ratio = f"{r['max_batch'] / fp['max_batch']:.2f}" if fp and fp.get("max_batch") else ""
         rows.append([r["model"], r["method"], r.get("budget", ""), alloc(r), r.get("max_batch", r["status"]), ratio,
                      r.get("device", "")])
-    return [_write_table(out / "max_batch", header, rows, "Largest trainable batch under a memory budget.")]
+    return [_write_table(out / "max_batch", header, rows, _caption("Largest trainable batch under a memory budget.",
+                                                                   records))]
 
 
 def _plt():
@@ -245,25 +285,42 @@ def _plot_throughput(ok, path):
     _save(plt, fig, path)
 
 
-def _plot_accuracy_curves(ok, path):
+def _plot_accuracy_curves(ok, path, experiment):
+    """One colour per method: the mean over seeds, with a band from the lowest to the highest seed."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for method in _methods(ok):
-        for r in [r for r in ok if r["method"] == method]:
-            pts = [(e["epoch"], e["top1"]) for e in r["epochs"] if e.get("top1") is not None]
-            if pts:
-                ax.plot(*zip(*pts), label=f"{method} s{r['seed']}", alpha=0.8)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, method in enumerate(_methods(ok)):
+        curves = defaultdict(list)
+        runs = [r for r in ok if r["method"] == method]
+        for r in runs:
+            for e in r["epochs"]:
+                if e.get("top1") is not None:
+                    curves[e["epoch"]].append(e["top1"])
+        epochs = sorted(curves)
+        if not epochs:
+            continue
+        colour = colours[i % len(colours)]
+        ax.plot(epochs, [statistics.mean(curves[e]) for e in epochs], color=colour,
+                label=f"{method} (n={len(runs)})")
+        if len(runs) > 1:
+            ax.fill_between(epochs, [min(curves[e]) for e in epochs], [max(curves[e]) for e in epochs],
+                            color=colour, alpha=0.2, linewidth=0)
     devices = sorted({r.get("device", "?") for r in ok})
-    ax.set_title("test top-1 vs epoch\n" + "; ".join(devices), fontsize=7)
+    ax.set_title(f"{experiment}: test top-1 vs epoch (mean over seeds, band = min-max)\n" + "; ".join(devices),
+                 fontsize=7)
     ax.set_xlabel("epoch")
     ax.set_ylabel("top-1 %")
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=7)
     _save(plt, fig, path)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--results", default=str(ROOT / "results"))
+    p.add_argument("--experiment", action="append", default=None,
+                   help="accuracy table of this experiment only (repeatable; default: every experiment with "
+                        "committed runs and a config in configs/experiment/)")
     args = p.parse_args(argv)
     res = Path(args.results)
     out = res / "tables"
@@ -278,7 +335,7 @@ def main(argv=None):
     runs = [r for r in _load(res / "runs") if "epochs" in r]
     maxb = [r for r in _load(res / "max_batch") if "max_batch" in r and ".probe" not in r["_path"]]
     texts = memory_table(bench, paper, out) + throughput_table(bench, paper, out) + \
-        accuracy_table(runs, paper, out) + max_batch_table(maxb, out)
+        accuracy_tables(runs, paper, out, args.experiment) + max_batch_table(maxb, out)
     print("\n\n".join(texts) if texts else "no results found")
     print(f"\nwrote {out}")
 

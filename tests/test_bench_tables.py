@@ -63,13 +63,14 @@ def _fixture(root: Path):
     (root / "reference" / ref.name).write_text(ref.read_text())
     bench = root / "bench" / "cpu"
     bench.mkdir(parents=True)
-    base = {"suite": "cpu", "amp": "none", "image_size": 224, "device": "cpu: test"}
+    base = {"suite": "cpu", "amp": "none", "image_size": 224, "device": "cpu: test", "git_sha": "abcdef1234",
+            "git_dirty": False}
     rows = [("fp", 4, "ok", 100e6, 4.0), ("division", 4, "ok", 9e6, 3.0), ("fp", 8, "oom", None, None)]
     for method, batch, status, held, speed in rows:
         rec = dict(base, model="resnet50", batch_size=batch, method=method, status=status)
         if status == "ok":
             rec.update(act_mem_bytes=held, act_mem_fp_bytes=100e6, act_compression=100e6 / held,
-                       peak_mem_bytes=2e9, throughput_img_s=speed)
+                       peak_mem_bytes=2e9, peak_mem_growth_bytes=1e9, throughput_img_s=speed)
         (bench / f"resnet50_b{batch}_{method}.json").write_text(json.dumps(rec))
     for rnd, fp_speed, div_speed in [("r1", 4.0, 3.0), ("r2", 5.0, 4.5), ("r3", 6.0, 3.0)]:
         folder = root / "bench" / "cpu_repeat" / rnd
@@ -77,15 +78,18 @@ def _fixture(root: Path):
         for method, speed in (("fp", fp_speed), ("division", div_speed)):
             rec = dict(base, model="resnet50", batch_size=8, method=method, status="ok", act_mem_bytes=9e6,
                        act_mem_fp_bytes=100e6, act_compression=100e6 / 9e6, peak_mem_bytes=2e9,
-                       throughput_img_s=speed)
+                       peak_mem_growth_bytes=1e9, throughput_img_s=speed)
             (folder / f"resnet50_b8_{method}.json").write_text(json.dumps(rec))
-    runs = root / "runs" / "exp"
-    for method, seed, top1 in [("fp", 0, 60.0), ("fp", 1, 62.0), ("division", 0, 59.0)]:
-        d = runs / f"{method}-{seed}"
+    for exp, method, seed, top1, sha in [("cifar10_resnet20_cpu", "fp", 0, 60.0, "abcdef12"),
+                                         ("cifar10_resnet20_cpu", "fp", 1, 62.0, "abcdef12"),
+                                         ("cifar10_resnet20_cpu", "division", 0, 59.0, "99999999"),
+                                         ("check", "fp", 0, 11.0, "abcdef12")]:
+        d = root / "runs" / exp / f"{method}-{seed}"
         d.mkdir(parents=True)
         (d / "result.json").write_text(json.dumps({
-            "status": "ok", "experiment": "exp", "data": "cifar10", "model": "resnet20", "method": method,
-            "seed": seed, "top1": top1, "epochs": [{"epoch": 1, "top1": top1}], "device": "cpu: test"}))
+            "status": "ok", "experiment": exp, "data": "cifar10", "model": "resnet20", "method": method,
+            "seed": seed, "top1": top1, "epochs": [{"epoch": 1, "top1": top1}], "device": "cpu: test",
+            "git_sha": sha, "git_dirty": False}))
 
 
 def test_tables_from_fixtures(tmp_path):
@@ -99,8 +103,12 @@ def test_tables_from_fixtures(tmp_path):
     # rounds: median speed 3.00, range 3.00-4.50, median of per-round ratios (0.75, 0.90, 0.50) = 0.75
     assert "| cpu_repeat | resnet50 | 8 | division | none | 3.00 | 3.00-4.50 (3) | 0.75 |" in \
         (tables / "throughput.md").read_text()
-    acc = (tables / "accuracy.md").read_text()
+    acc = (tables / "accuracy_cifar10_resnet20_cpu.md").read_text()
     assert "61.00 ± 1.41" in acc and "| 2 |" in acc and "-2.00" in acc
+    assert "11.00" not in acc and not (tables / "accuracy_check.md").exists()  # smoke runs stay out
+    assert "99999999, abcdef12" in acc and "WARNING: rows come from 2 commits" in acc
+    assert "Commit(s): abcdef12." in mem and "WARNING" not in mem
+    assert "| cpu | resnet50 |" not in (tables / "throughput.md").read_text()  # single-run suites: memory only
     for name in ("memory_cpu.csv", "memory_cpu.tex", "throughput.md", "throughput.png", "memory_cpu.png",
-                 "accuracy_curves.png"):
+                 "accuracy_curves_cifar10_resnet20_cpu.png"):
         assert (tables / name).exists(), name

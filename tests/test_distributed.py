@@ -18,7 +18,7 @@ def test_two_process_gloo_division(tmp_path):
            "train.py", *SYN, "method=division", "trainer.max_steps=2", f"paths.root_dir={tmp_path}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    files = list(Path(tmp_path, "results", "runs").rglob("result.json"))
+    files = list(Path(tmp_path, "outputs", "runs").rglob("result.json"))
     assert len(files) == 1
     result = json.loads(files[0].read_text())
     assert result["status"] == "ok" and result["world_size"] == 2
@@ -31,7 +31,7 @@ def test_multirun_two_jobs(tmp_path):
            f"paths.root_dir={tmp_path}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    files = list(Path(tmp_path, "results", "runs").rglob("result.json"))
+    files = list(Path(tmp_path, "outputs", "runs").rglob("result.json"))
     assert len(files) == 2 and len({f.parent for f in files}) == 2
 
 

@@ -49,12 +49,14 @@ def test_block_size_effect_is_measured(batch_and_model):
         assert rel[(b, 4)] < rel[(b, 2)] / 3
 
 
-def test_lfc_versus_plain_quantizer_is_measured(batch_and_model):
-    """An open question: reported, not asserted."""
-    with_lfc = mean_over_layers(_err(batch_and_model), "rel_error")
-    without = mean_over_layers(_err(batch_and_model, lfc=False), "rel_error")
-    print(f"2-bit weight-gradient relative error: DIVISION {with_lfc:.4f}, per-channel without LFC {without:.4f}")
-    assert with_lfc > 0 and without > 0
+def test_lfc_and_plain_quantizer_errors_are_real_measurements(batch_and_model):
+    """Which of the two is better is an open question (reported in results/analysis, not asserted); what
+    holds for both: a 2-bit error well below the gradient itself, and 4 bits at least 3x better than 2."""
+    for lfc in (True, False):
+        two = mean_over_layers(_err(batch_and_model, lfc=lfc), "rel_error")
+        four = mean_over_layers(_err(batch_and_model, lfc=lfc, hfc_bits=4), "rel_error")
+        print(f"lfc={lfc}: weight-gradient relative error 2-bit {two:.4f}, 4-bit {four:.4f}")
+        assert 0.0 < two < 0.9 and four < two / 3
 
 
 def test_energy_share_extremes():

@@ -11,7 +11,7 @@ SYN = ["data=synthetic", "model=resnet20", "data.batch_size=8", "data.train_size
 
 def test_two_step_run_writes_result(tmp_path):
     result = run_train(SYN + ["method=division", "trainer.max_steps=2"], tmp_path)
-    path = next(Path(tmp_path, "results", "runs", "default").glob("*/result.json"))
+    path = next(Path(tmp_path, "outputs", "runs", "default").glob("*/result.json"))
     saved = json.loads(path.read_text())
     assert saved["status"] == "ok" and result["status"] == "ok"
     for key in ("config", "config_hash", "seed", "epochs", "top1", "best_top1", "throughput_img_s",
@@ -57,3 +57,46 @@ def test_wandb_offline_writes_run(tmp_path, monkeypatch):
 def test_bad_trainer_values(tmp_path):
     with pytest.raises(ValueError, match="valid choices"):
         run_train(SYN + ["trainer.amp=fp8"], tmp_path)
+
+
+def test_result_records_provenance_and_backend(tmp_path):
+    result = run_train(SYN + ["method=division", "trainer.max_steps=2"], tmp_path)
+    for key in ("code_version", "git_sha", "git_dirty", "versions", "device", "method_info", "peak_mem_how"):
+        assert result[key] is not None, key
+    assert set(result["codec_backends"]) <= {"compiled", "reference"} and result["codec_backends"]
+    assert result["method_info"]["backend"] == "auto"
+
+
+def test_stale_run_is_refused_unless_accepted(tmp_path):
+    run_train(SYN + ["method=fp", "trainer.max_steps=1"], tmp_path)
+    path = next(Path(tmp_path, "outputs", "runs").rglob("result.json"))
+    saved = json.loads(path.read_text())
+    saved["code_version"] = "0123456789ab"
+    path.write_text(json.dumps(saved))
+    with pytest.raises(RuntimeError, match="accept_stale=true"):
+        run_train(SYN + ["method=fp", "trainer.max_steps=1", "skip_done=true"], tmp_path)
+    kept = run_train(SYN + ["method=fp", "trainer.max_steps=1", "skip_done=true", "accept_stale=true"], tmp_path)
+    assert kept["code_version"] == "0123456789ab"
+
+
+def test_corrupt_checkpoint_names_file_and_ways_out(tmp_path):
+    run_train(SYN + ["method=fp", "trainer.epochs=1"], tmp_path)
+    ckpt = next(Path(tmp_path, "outputs", "runs").rglob("checkpoint.pt"))
+    ckpt.write_bytes(b"not a checkpoint")
+    with pytest.raises(RuntimeError) as err:
+        run_train(SYN + ["method=fp", "trainer.epochs=1", "resume=true"], tmp_path)
+    text = str(err.value)
+    assert "checkpoint.pt" in text and "delete" in text and "resume=false" in text
+
+
+def test_synthetic_data_uses_the_model_input_size(tmp_path):
+    from conftest import compose
+    assert compose(["data=synthetic", "model=resnet50"]).data.image_size == 224
+    assert compose(["data=synthetic", "model=resnet20"]).data.image_size == 32
+    assert compose(["data=synthetic", "model=resnet50", "data.image_size=64"]).data.image_size == 64
+
+
+def test_adhoc_runs_stay_out_of_results(tmp_path):
+    from conftest import compose
+    assert compose([]).paths.runs_dir.endswith("outputs/runs")
+    assert compose(["experiment=cifar10_resnet20_cpu"]).paths.runs_dir.endswith("results/runs")

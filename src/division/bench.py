@@ -4,99 +4,67 @@ memory and allocator state never leak between configurations. One JSON file per 
     python scripts/bench.py --models resnet50 --batches 4,8 --methods fp,division --out results/bench/cpu
 """
 import argparse
-import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from division import engine, methods, results
+from division.memory import PeakMeter, release_freed_memory, reuse_freed_memory
 from division.models import create_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _method_cfg(spec: str) -> dict:
-    """'division' or 'division:hfc_bits=4,block_size=4' -> a method config dict."""
-    name, _, opts = spec.partition(":")
-    cfg = {"name": name}
-    if name == "division_nolfc":
-        cfg = {"name": name, "kind": "division", "lfc": False}
-    for item in filter(None, opts.split(",")):
-        key, _, value = item.partition("=")
-        cfg[key] = json.loads(value) if value[:1] in "-0123456789tf[" else value
-    return cfg
-
-
 def measure(model_name: str, batch: int, method_spec: str, image_size: int, steps: int, warmup: int,
-            device_name: str, amp: str, num_classes: int = 1000, fp_reference: bool = True) -> dict:
-    """One configuration in this process: warm-up, then ``steps`` timed training steps."""
+            device_name: str, amp: str, num_classes: int = 1000, fp_reference: bool = True,
+            release_memory: bool = True) -> dict:
+    """One configuration in this process, with the runner's own step (``engine.train_step``) and its peak
+    rules: the full-precision reference (untimed, holds nothing), then an accounted step and one more (the
+    optimizer state then exists); their peak is the peak reported (on CPU measured with glibc returning freed
+    blocks), its growth is over the memory in use just before them (weights, inputs). Then ``warmup - 1``
+    untimed steps and ``steps`` timed ones with the allocator's fast setting."""
     device = torch.device("cuda" if device_name == "auto" and torch.cuda.is_available() else
                           ("cpu" if device_name == "auto" else device_name))
     torch.manual_seed(0)
     model = create_model(model_name, num_classes=num_classes).to(device)
-    method = methods.build(_method_cfg(method_spec))
+    method_cfg = methods.load_config(method_spec)
+    method = methods.build(method_cfg)
     method.prepare(model)
+    model.train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     x = torch.randn(batch, 3, image_size, image_size, device=device)
     y = torch.randint(0, num_classes, (batch,), device=device)
-    state = engine.StepState(device, amp)
-
-    def forward():
-        with engine.autocast(state):
-            return F.cross_entropy(model(x), y)
-
-    def step(account=False):
-        opt.zero_grad(set_to_none=True)
-        if account:
-            with method.accounting() as acc:
-                loss = forward()
-        else:
-            loss = forward()
-        loss.backward()
-        opt.step()
-        return acc.report if account else None
-
-    # the reference forward raises the process's peak, so the max-batch search leaves it out
-    fp_bytes = method.fp_reference_bytes(model, forward) if fp_reference else None
-    engine.reset_peak(device)
-    base_rss = rss_bytes()
-    base_alloc = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    report = step(account=True)
+    state = engine.StepState(device, amp, scaler=torch.amp.GradScaler("cuda") if amp == "fp16" else None)
+    live = release_freed_memory() if device.type == "cpu" and release_memory else False
+    fp = engine.fp_reference(model, method, x, y, state) if fp_reference else None
+    meter = PeakMeter(device)
+    meter.reset()
+    report = engine.train_step(model, method, x, y, opt, None, state, account=True).report
+    engine.train_step(model, method, x, y, opt, None, state)  # the optimizer state exists from here on
+    peak, growth = meter.peak(), meter.growth()
+    if live:
+        reuse_freed_memory()
     for _ in range(max(0, warmup - 1)):
-        step()
-    times = []
-    for _ in range(steps):
-        engine.synchronize(device)
-        t0 = time.perf_counter()
-        step()
-        engine.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-        peak_growth = peak - base_alloc
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        peak_growth = max(0, peak - base_rss)
+        engine.train_step(model, method, x, y, opt, None, state)
+    times = [engine.train_step(model, method, x, y, opt, None, state).seconds for _ in range(steps)]
     median = statistics.median(times)
+    fp_bytes = fp.act_bytes if fp else None
     return {
         "status": "ok", "act_mem_bytes": report.held_bytes, "act_mem_fp_bytes": fp_bytes,
         "act_compression": fp_bytes / max(report.held_bytes, 1) if fp_bytes else None,
         "act_mem_host_bytes": report.host_bytes,
-        "act_mem_by_codec": report.by_codec(), "peak_mem_bytes": int(peak), "peak_mem_growth_bytes": int(peak_growth),
+        "amp_weight_cast_bytes": max(report.amp_weight_cast_bytes, fp.amp_weight_cast_bytes if fp else 0),
+        "act_mem_by_codec": report.by_codec(), "peak_mem_bytes": peak, "peak_mem_growth_bytes": growth,
+        "peak_mem_how": meter.describe() + "; first 2 steps" + ("; glibc returning freed blocks >= 64 KiB" if live
+                                                                 else ""),
         "throughput_img_s": batch / median, "step_times_s": times, "notes": report.notes,
-        "device": results.device_description(device),
+        "method_config": method_cfg, "codec_backends": report.backends,
+        **results.provenance(device),
     }
 
 
@@ -109,7 +77,8 @@ def run_one_subprocess(args, model, batch, method, path: Path) -> dict:
     cmd = [sys.executable, "-m", "division.bench", "--single", "--models", model, "--batches", str(batch),
            "--methods", method, "--image-size", str(args.image_size), "--steps", str(args.steps), "--warmup",
            str(args.warmup), "--device", args.device, "--amp", args.amp, "--num-classes", str(args.num_classes), "--suite", args.suite,
-           "--out", str(path)] + ([] if args.fp_reference else ["--no-fp-reference"])
+           "--out", str(path)] + ([] if args.fp_reference else ["--no-fp-reference"]) + \
+        (["--glibc-default"] if args.glibc_default else [])
     env = dict(os.environ)
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -144,10 +113,15 @@ def parse(argv=None):
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--suite", default="cpu")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every configuration this many times, interleaved (round k: the whole grid, "
+                        "into <out>/r<k>/), so that slow spells of a shared machine hit every method alike")
     p.add_argument("--out", default=None, help="output folder (default results/bench/<suite>); a file with --single")
     p.add_argument("--force", action="store_true", help="rerun configurations whose file exists")
     p.add_argument("--no-fp-reference", dest="fp_reference", action="store_false",
                    help="skip the full-precision reference forward (peak-memory probes)")
+    p.add_argument("--glibc-default", action="store_true",
+                   help="CPU: keep glibc's default malloc (its cached free memory then inflates the peak)")
     p.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.config:
@@ -173,28 +147,29 @@ def main(argv=None):
         path = Path(args.out)
         try:
             record = measure(models[0], batches[0], method_specs[0], args.image_size, args.steps, args.warmup,
-                             args.device, args.amp, args.num_classes, args.fp_reference)
+                             args.device, args.amp, args.num_classes, args.fp_reference, not args.glibc_default)
         except torch.cuda.OutOfMemoryError as err:
             record = {"status": "oom", "error": str(err)[:500]}
         record.update(_identity(args, models[0], batches[0], method_specs[0]))
         results.write_json(path, record)
         return
-    out_dir = Path(args.out or ROOT / "results" / "bench" / args.suite)
-    for model in models:
-        for batch in batches:
-            for method in method_specs:
-                path = out_path(out_dir, model, batch, method, args.amp)
-                if path.exists() and not args.force:
-                    print(f"skip {path.name} (exists)")
-                    continue
-                rec = run_one_subprocess(args, model, batch, method, path)
-                if rec["status"] == "ok":
-                    print(f"{model:16s} b{batch:<4d} {method:12s} held {rec['act_mem_bytes'] / 2**20:9.1f} MiB  "
-                          f"fp {rec['act_mem_fp_bytes'] / 2**20:9.1f} MiB  {rec['act_compression']:6.2f}x  "
-                          f"{rec['throughput_img_s']:8.2f} img/s", flush=True)
-                else:
-                    print(f"{model:16s} b{batch:<4d} {method:12s} {rec['status']}", flush=True)
-
+    base_dir = Path(args.out or ROOT / "results" / "bench" / args.suite)
+    grid = [(k, model, batch, method) for k in range(1, args.rounds + 1) for model in models for batch in batches
+            for method in method_specs]
+    for k, model, batch, method in grid:
+        out_dir = base_dir / f"r{k}" if args.rounds > 1 else base_dir
+        path = out_path(out_dir, model, batch, method, args.amp)
+        if path.exists() and not args.force:
+            print(f"skip {results.relative_to_root(path)} (exists)")
+            continue
+        rec = run_one_subprocess(args, model, batch, method, path)
+        tag = f"{'r' + str(k) + ' ' if args.rounds > 1 else ''}{model:16s} b{batch:<4d} {method:14s}"
+        if rec["status"] == "ok":
+            print(f"{tag} held {rec['act_mem_bytes'] / 2**20:9.1f} MiB  fp {rec['act_mem_fp_bytes'] / 2**20:9.1f} MiB  "
+                  f"{rec['act_compression']:6.2f}x  peak {rec['peak_mem_bytes'] / 2**20:7.0f} MiB  "
+                  f"{rec['throughput_img_s']:8.2f} img/s", flush=True)
+        else:
+            print(f"{tag} {rec['status']}", flush=True)
 
 if __name__ == "__main__":
     main()

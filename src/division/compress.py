@@ -16,9 +16,10 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from division.codecs.packing import pack_bits, unpack_bits
-from division.codecs.quant import BitMask, FullCopy, Packed, storage_key, unique_nbytes
+from division.codecs.quant import BitMask, FullCopy, Packed, check_backend, storage_key, unique_nbytes
 
 LAYER_KINDS = ("conv", "bn", "linear", "relu", "maxpool", "dropout", "avgpool", "ln", "gelu", "attn")
 
@@ -43,11 +44,13 @@ class SaveRecord:
     held: List[tuple] = field(default_factory=list)  # (storage key, nbytes) of tensors held
     fp_key: Optional[tuple] = None  # storage of the full-precision tensor plain autograd would hold
     shared: bool = False  # served from a tensor another layer already saved
+    backend: str = ""  # the codec implementation that encoded it ("" when nothing was encoded)
 
 
 class TensorIds:
-    """Identity of a storage during one forward: its address plus a generation that changes when the tensor
-    first seen there has died, so a freed address reused by a new tensor is not taken for the old one."""
+    """Identity of a storage during one forward: its address plus a generation that changes when the storage
+    first seen there has been freed, so a freed address reused by a new tensor is not taken for the old one.
+    Holds only weak references: measuring identity keeps no memory alive."""
 
     def __init__(self):
         self._table: Dict[tuple, tuple] = {}
@@ -56,10 +59,10 @@ class TensorIds:
     def __call__(self, t: torch.Tensor) -> tuple:
         key = storage_key(t)
         entry = self._table.get(key)
-        if entry is not None and entry[0]() is not None:
+        if entry is not None and not entry[0].expired():
             return key + (entry[1],)
         self._next += 1
-        self._table[key] = (weakref.ref(t), self._next)
+        self._table[key] = (StorageWeakRef(t.untyped_storage()), self._next)
         return key + (self._next,)
 
 
@@ -71,8 +74,9 @@ class SavePolicy:
     """
 
     def __init__(self, choose: Callable[[str, torch.Tensor], Packed], kinds=LAYER_KINDS,
-                 reuse_relu_mask: bool = False):
+                 reuse_relu_mask: bool = False, backend: str = "auto"):
         self.choose = choose
+        self.backend = check_backend(backend)
         self.kinds = frozenset(check_layer_kinds(kinds))
         self.reuse_relu_mask = reuse_relu_mask
         self._cache: Dict[tuple, tuple] = {}
@@ -119,17 +123,18 @@ class SavePolicy:
         else:
             packed = self.choose(kind, x)
             record.codec = packed.kind
+            record.backend = "" if packed.backend == "none" else packed.backend
             record.held = [(storage_key(t), t.untyped_storage().nbytes()) for t in packed.tensors() if t is not None]
             self._cache[self._key(x)] = (weakref.ref(x), packed, mask)
         self.records.append(record)
         use_mask = mask if (self.reuse_relu_mask and packed.kind != "full") else None
-        return Saved(packed, use_mask)
+        return Saved(packed, use_mask, tuple(x.shape))
 
     def save_mask(self, y: torch.Tensor, mask: BitMask, kind: str, layer: str, fp_bytes: int, fp_key=None):
         """Record an exact mask (ReLU, dropout) and remember it for a later compression of ``y``."""
         self.records.append(SaveRecord(layer, kind, mask.kind, tuple(y.shape), fp_bytes,
                                        [(storage_key(mask.packed), mask.packed.untyped_storage().nbytes())],
-                                       fp_key=fp_key))
+                                       fp_key=fp_key, backend=mask.backend))
         if kind == "relu":
             # an in-place ReLU's output gets its version bumped after forward: match it by identity
             self._masks[self._key(y)[:4]] = (weakref.ref(y), mask)
@@ -145,10 +150,10 @@ class SavePolicy:
 class Saved:
     """A packed activation and, with ``reuse_relu_mask``, the exact mask of the ReLU that produced it."""
 
-    __slots__ = ("packed", "mask")
+    __slots__ = ("packed", "mask", "packed_shape")
 
-    def __init__(self, packed: Packed, mask: Optional[BitMask]):
-        self.packed, self.mask = packed, mask
+    def __init__(self, packed: Packed, mask: Optional[BitMask], shape=None):
+        self.packed, self.mask, self.packed_shape = packed, mask, shape
 
     def decode(self) -> torch.Tensor:
         x = self.packed.decode()
@@ -170,16 +175,59 @@ class _Conv2dFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        """Weight gradient first, from the decoded input, which is then freed before the input gradient is
+        made (that needs only the input's shape): the decoded copy and the input gradient, each as large as
+        the activation, never coexist. 1x1 convolutions go through matrix products, which need no workspace
+        (the library's convolution backward reorders input and gradient into temporary copies)."""
         (weight,) = ctx.saved_tensors
         stride, padding, dilation, groups, in_dtype, dtype, has_bias = ctx.conf
-        x = ctx.saved.decode().to(dtype)
+        grad, w = grad.to(dtype), weight.to(dtype)
+        shape = ctx.saved.packed_shape
+        pointwise = weight.shape[2:] == (1, 1) and tuple(padding) == (0, 0) and groups == 1
+        need_w, need_b = ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]
+        gw = gb = gx = None
+        if need_w or need_b:
+            x = ctx.saved.decode().to(dtype)
+            if pointwise:
+                gw = _pointwise_weight_grad(x, grad, stride) if need_w else None
+                gb = grad.sum((0, 2, 3)) if need_b else None
+            else:
+                _, gw, gb = torch.ops.aten.convolution_backward(
+                    grad, x, w, [weight.shape[0]] if has_bias else None, stride, padding, dilation, False, [0, 0],
+                    groups, (False, need_w, need_b))
+            del x
         ctx.saved = None
-        mask = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2])
-        gx, gw, gb = torch.ops.aten.convolution_backward(
-            grad.to(dtype), x, weight.to(dtype), [weight.shape[0]] if has_bias else None, stride, padding,
-            dilation, False, [0, 0], groups, mask)
+        if ctx.needs_input_grad[0]:
+            if pointwise:
+                gx = _pointwise_input_grad(shape, w, grad, stride)
+            else:
+                stub = grad.new_empty(1).expand(shape)
+                gx = torch.ops.aten.convolution_backward(grad, stub, w, None, stride, padding, dilation, False,
+                                                         [0, 0], groups, (True, False, False))[0]
         return (_cast(gx, in_dtype), _cast(gw, weight.dtype), _cast(gb, weight.dtype),
                 None, None, None, None, None, None)
+
+
+def _pointwise_weight_grad(x, grad, stride):
+    """dW of a 1x1 convolution: sum over samples of grad_n (Cout x P) @ x_n^T (P x Cin), P = output pixels."""
+    n, cout = grad.shape[:2]
+    xs = x[:, :, ::stride[0], ::stride[1]] if tuple(stride) != (1, 1) else x
+    gw = grad.new_zeros(cout, x.shape[1])
+    for i in range(n):
+        gw.addmm_(grad[i].reshape(cout, -1), xs[i].reshape(x.shape[1], -1).t())
+    return gw.view(cout, x.shape[1], 1, 1)
+
+
+def _pointwise_input_grad(shape, w, grad, stride):
+    """dX of a 1x1 convolution: W^T (Cin x Cout) @ grad_n, scattered to the strided positions."""
+    n, cin, h, wd = shape
+    cout = w.shape[0]
+    gy = torch.matmul(w.view(cout, cin).t(), grad.reshape(n, cout, -1))
+    if tuple(stride) == (1, 1):
+        return gy.view(shape)
+    gx = grad.new_zeros(shape)
+    gx[:, :, ::stride[0], ::stride[1]] = gy.view(n, cin, *grad.shape[2:])
+    return gx
 
 
 class _LinearFn(torch.autograd.Function):
@@ -302,7 +350,7 @@ class _ReLUFn(torch.autograd.Function):
             ctx.mark_dirty(x)
         else:
             y = x.clamp_min(0)
-        mask = BitMask.positive(y)
+        mask = BitMask.positive(y, policy.backend)
         ctx.mask = mask
         policy.save_mask(y, mask, "relu", layer, fp_bytes, fp_key if inplace else policy.ids(y))
         return y
@@ -330,24 +378,43 @@ class _DropoutFn(torch.autograd.Function):
         return grad * keep * ctx.scale, None, None, None
 
 
+def _sample_chunks(n: int, per_sample: int, target: int = 1 << 21):
+    """Slices of the batch holding about ``target`` elements each: index arithmetic on int64 would otherwise
+    make several full-size temporaries (8 bytes per element) at the largest maps of the network."""
+    step = max(1, target // max(per_sample, 1))
+    return [slice(a, min(a + step, n)) for a in range(0, n, step)]
+
+
 class _MaxPool2dFn(torch.autograd.Function):
-    """Keeps, for each output, the position of the maximum inside its window: log2(kh*kw) bits, not int64."""
+    """Keeps, for each output, the position of the maximum inside its window: log2(kh*kw) bits, not int64.
+    Forward and backward work through the batch in chunks so that no int64 index tensor of the whole batch
+    exists."""
+
+    @staticmethod
+    def _window_origin(oh, ow, stride, padding, device):
+        h0 = (torch.arange(oh, device=device) * stride[0] - padding[0]).view(oh, 1)
+        w0 = (torch.arange(ow, device=device) * stride[1] - padding[1]).view(1, ow)
+        return h0, w0
 
     @staticmethod
     def forward(ctx, x, kernel, stride, padding, ceil_mode, policy, layer):
         n, c, h, w = x.shape
-        out, idx = F.max_pool2d(x, kernel, stride, padding, 1, ceil_mode, return_indices=True)
         kh, kw = kernel
-        oh, ow = out.shape[-2:]
-        h0 = (torch.arange(oh, device=x.device) * stride[0] - padding[0]).view(oh, 1)
-        w0 = (torch.arange(ow, device=x.device) * stride[1] - padding[1]).view(1, ow)
-        offset = (idx // w - h0) * kw + (idx % w - w0)
         bits = 1
         while (1 << bits) < kh * kw:
             bits *= 2
-        ctx.offsets = pack_bits(offset.to(torch.uint8), bits)
+        outs, offsets = [], []
+        for part in _sample_chunks(n, c * h * w):
+            out, idx = F.max_pool2d(x[part], kernel, stride, padding, 1, ceil_mode, return_indices=True)
+            h0, w0 = _MaxPool2dFn._window_origin(*out.shape[-2:], stride, padding, x.device)
+            offsets.append(((idx // w - h0) * kw + (idx % w - w0)).to(torch.uint8))
+            del idx
+            outs.append(out)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        ctx.offsets = pack_bits(offsets[0] if len(offsets) == 1 else torch.cat(offsets), bits)
+        del offsets
         ctx.conf = (x.shape, out.shape, kernel, stride, padding, bits)
-        policy.save_extra(ctx.offsets, "maxpool", layer, f"{bits}-bit index", idx.numel() * 8)
+        policy.save_extra(ctx.offsets, "maxpool", layer, f"{bits}-bit index", out.numel() * 8)
         policy.save_nothing("maxpool", layer + ".input", x.shape, x.numel() * x.element_size(), policy.ids(x))
         return out
 
@@ -355,13 +422,15 @@ class _MaxPool2dFn(torch.autograd.Function):
     def backward(ctx, grad):
         (n, c, h, w), oshape, (kh, kw), stride, padding, bits = ctx.conf
         oh, ow = oshape[-2:]
-        offset = unpack_bits(ctx.offsets, bits, grad.numel()).view(oshape).long()
+        h0, w0 = _MaxPool2dFn._window_origin(oh, ow, stride, padding, grad.device)
+        codes = unpack_bits(ctx.offsets, bits, grad.numel()).view(oshape)
         ctx.offsets = None
-        h0 = (torch.arange(oh, device=grad.device) * stride[0] - padding[0]).view(oh, 1)
-        w0 = (torch.arange(ow, device=grad.device) * stride[1] - padding[1]).view(1, ow)
-        idx = (h0 + offset // kw) * w + (w0 + offset % kw)
         gx = torch.zeros(n, c, h * w, dtype=grad.dtype, device=grad.device)
-        gx.scatter_add_(2, idx.view(n, c, -1), grad.reshape(n, c, -1))
+        for part in _sample_chunks(n, c * h * w):
+            offset = codes[part].long()
+            idx = (h0 + offset // kw) * w + (w0 + offset % kw)
+            del offset
+            gx[part].scatter_add_(2, idx.view(idx.shape[0], c, -1), grad[part].reshape(idx.shape[0], c, -1))
         return gx.view(n, c, h, w), None, None, None, None, None, None
 
 
@@ -637,5 +706,5 @@ def full_copy(kind: str, x: torch.Tensor) -> Packed:
     return FullCopy(x)
 
 
-__all__ = ["SavePolicy", "SaveRecord", "install", "remove", "LAYER_KINDS", "check_layer_kinds", "full_copy",
-           "unique_nbytes"]
+__all__ = ["SavePolicy", "SaveRecord", "TensorIds", "install", "remove", "LAYER_KINDS", "check_layer_kinds",
+           "full_copy", "storage_key", "unique_nbytes"]

@@ -1,7 +1,7 @@
-"""``train_one_epoch`` and ``evaluate``, plus the small measurements taken along the way."""
+"""``train_step`` (the one training step), ``train_one_epoch`` and ``evaluate``, plus the small measurements
+taken along the way."""
 import contextlib
 import math
-import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from division import dist
+from division.memory import MemoryReport, PeakMeter, release_freed_memory, reuse_freed_memory
 
 
 @dataclass
@@ -24,6 +25,8 @@ class StepState:
     label_smoothing: float = 0.0
     max_steps: int = 0
     global_step: int = 0
+    live_peak: bool = False  # CPU: glibc returns freed blocks while memory is measured (see memory.py)
+    measured_steps: int = 2  # steps whose peak is the run's peak: the accounted one and the next
     progress: bool = True
     scaler: Optional[object] = None
     dist_info: dist.DistInfo = field(default_factory=dist.DistInfo)
@@ -47,16 +50,66 @@ def synchronize(device: torch.device):
         torch.cuda.synchronize(device)
 
 
-def reset_peak(device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+@dataclass
+class StepOutput:
+    loss: torch.Tensor
+    logits: torch.Tensor
+    seconds: float  # synchronised wall time of forward, backward and update
+    report: Optional[MemoryReport] = None
 
 
-def peak_memory(device: torch.device) -> int:
-    """CUDA: max allocated since the last reset. CPU: the process's peak resident set size."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+def _forward(model, x, y, state: StepState):
+    def run():
+        with autocast(state):
+            out = model(x)
+            return out, F.cross_entropy(out, y, label_smoothing=state.label_smoothing)
+    return run
+
+
+def train_step(model: nn.Module, method, x, y, optimizer, scheduler, state: StepState,
+               account: bool = False) -> StepOutput:
+    """The one training step (forward, backward, clip, update, schedule) that the runner, the benchmark and
+    the max-batch finder all use. ``account``: the method records what the forward holds for backward."""
+    synchronize(state.device)
+    t0 = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    forward = _forward(model, x, y, state)
+    report = None
+    if account:
+        with method.accounting(core_model(model)) as acc:
+            logits, loss = forward()
+    else:
+        logits, loss = forward()
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"loss is {loss.item()} at step {state.global_step}")
+    if state.scaler is not None:
+        state.scaler.scale(loss).backward()
+        state.scaler.unscale_(optimizer)
+    else:
+        loss.backward()
+    if account:
+        report = acc.report
+    if state.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), state.grad_clip)
+    if state.scaler is not None:
+        state.scaler.step(optimizer)
+        state.scaler.update()
+    else:
+        optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    synchronize(state.device)
+    return StepOutput(loss.detach(), logits.detach(), time.perf_counter() - t0, report)
+
+
+def core_model(model: nn.Module) -> nn.Module:
+    return model.module if hasattr(model, "module") else model
+
+
+def fp_reference(model: nn.Module, method, x, y, state: StepState):
+    """The full-precision equivalent of the next step's forward, measured with nothing kept alive (see
+    ``Method.fp_reference``); run it outside any timed region."""
+    return method.fp_reference(core_model(model), _forward(core_model(model), x, y, state))
 
 
 def _progress(loader, enabled, desc):
@@ -68,18 +121,24 @@ def _progress(loader, enabled, desc):
 
 def train_one_epoch(model: nn.Module, method, loader, optimizer, scheduler, state: StepState, epoch: int,
                     measure: bool = True) -> dict:
-    """One pass over ``loader``. The first step is measured: the method's accounting of bytes held for
-    backward and a full-precision reference of the same forward."""
+    """One pass over ``loader``. With ``measure``, the first step is accounted: before it, untimed, the
+    full-precision reference of its forward; the step is left out of the throughput. ``peak_mem_bytes`` is
+    the peak of the first ``state.measured_steps`` training steps (reset after the reference; on CPU with
+    ``state.live_peak``, measured with glibc returning freed memory, then switched back to the fast
+    setting); ``peak_rss_epoch_bytes`` the resident-set peak of the whole epoch's steps as it is."""
     model.train()
     if hasattr(loader, "set_epoch"):
         loader.set_epoch(epoch)
     elif hasattr(getattr(loader, "sampler", None), "set_epoch"):
         loader.sampler.set_epoch(epoch)
-    reset_peak(state.device)
+    meter = PeakMeter(state.device)
+    live = state.live_peak and state.device.type == "cpu" and measure and release_freed_memory()
+    measured_live = live
+    meter.reset()
     loss_sum = correct = seen = 0.0
-    compute_time = 0.0
-    report = None
-    fp_bytes = None
+    compute_time = timed_images = 0.0
+    report = fp = None
+    step_peak = epoch_peak = None
     steps = 0
     start = time.perf_counter()
     bar = _progress(loader, state.progress and state.dist_info.is_main, f"epoch {epoch}")
@@ -88,64 +147,52 @@ def train_one_epoch(model: nn.Module, method, loader, optimizer, scheduler, stat
             break
         x = x.to(state.device, non_blocking=True)
         y = y.to(state.device, non_blocking=True)
-        synchronize(state.device)
-        t0 = time.perf_counter()
-
-        def forward():
-            with autocast(state):
-                out = model(x)
-                return out, F.cross_entropy(out, y, label_smoothing=state.label_smoothing)
-
-        optimizer.zero_grad(set_to_none=True)
-        if measure and report is None:
-            core = model.module if hasattr(model, "module") else model
-            fp_bytes = method.fp_reference_bytes(core, forward)
-            with method.accounting() as acc:
-                logits, loss = forward()
-            report = acc.report
-            report.fp_bytes = fp_bytes
-        else:
-            logits, loss = forward()
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss.item()} at epoch {epoch}, step {state.global_step}")
-        if state.scaler is not None:
-            state.scaler.scale(loss).backward()
-            state.scaler.unscale_(optimizer)
-        else:
-            loss.backward()
-        if state.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), state.grad_clip)
-        if state.scaler is not None:
-            state.scaler.step(optimizer)
-            state.scaler.update()
-        else:
-            optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-        synchronize(state.device)
-        compute_time += time.perf_counter() - t0
+        account = measure and report is None
+        if live and steps == state.measured_steps:  # measured: the remaining steps run with the fast setting
+            reuse_freed_memory()
+            live = False
+        if account:
+            fp = fp_reference(model, method, x, y, state)
+            meter.reset()
+        out = train_step(model, method, x, y, optimizer, scheduler, state, account=account)
         n = y.shape[0]
-        loss_sum += loss.item() * n
-        correct += (logits.argmax(1) == y).sum().item()
+        if account:
+            report = out.report
+            report.fp_bytes = fp.act_bytes
+            report.amp_weight_cast_bytes = max(report.amp_weight_cast_bytes, fp.amp_weight_cast_bytes)
+        else:
+            compute_time += out.seconds
+            timed_images += n
+        loss_sum += out.loss.item() * n
+        correct += (out.logits.argmax(1) == y).sum().item()
         seen += n
         steps += 1
         state.global_step += 1
+        if steps == state.measured_steps:
+            step_peak = meter.peak()
         if bar is not loader:
             bar.set_postfix(loss=f"{loss_sum / seen:.3f}", acc=f"{100 * correct / seen:.1f}",
-                            img_s=f"{seen / max(compute_time, 1e-9):.0f}")
+                            img_s=f"{timed_images / max(compute_time, 1e-9):.0f}")
     wall = time.perf_counter() - start
-    loss_sum, correct, seen, compute_time, wall = dist.all_reduce_sum([loss_sum, correct, seen, compute_time, wall],
-                                                                      state.device)
+    epoch_peak = meter.peak()
+    if step_peak is None:
+        step_peak = epoch_peak
+    loss_sum, correct, seen, compute_time, timed_images, wall = dist.all_reduce_sum(
+        [loss_sum, correct, seen, compute_time, timed_images, wall], state.device)
     world = state.dist_info.world_size
+    how = meter.describe() + (f"; first {state.measured_steps} steps, glibc returning freed blocks >= 64 KiB"
+                              if measured_live else f"; first {state.measured_steps} steps")
     out = {
         "train_loss": loss_sum / max(seen, 1),
         "train_top1": 100.0 * correct / max(seen, 1),
         "train_images": int(seen),
         "steps": steps,
-        # summed over ranks: images of all ranks per second of one rank's time
-        "throughput_img_s": seen / max(compute_time / world, 1e-9),
+        # summed over ranks: images of all ranks per second of one rank's time; the accounted step excluded
+        "throughput_img_s": timed_images / (compute_time / world) if timed_images else None,
         "throughput_with_data_img_s": seen / max(wall / world, 1e-9),
-        "peak_mem_bytes": int(dist.all_reduce_max([peak_memory(state.device)], state.device)[0]),
+        "peak_mem_bytes": int(dist.all_reduce_max([step_peak], state.device)[0]),
+        "peak_mem_how": how,
+        "peak_rss_epoch_bytes": int(dist.all_reduce_max([epoch_peak], state.device)[0]),
     }
     if report is not None:
         out.update(report.summary())

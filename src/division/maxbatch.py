@@ -2,12 +2,12 @@
 
     python scripts/max_batch.py --model resnet50 --methods fp,division --budget 4GiB
 
-GPU: the budget is compared with CUDA max allocated. CPU: with the peak resident-memory growth of a fresh
-subprocess over one training step (model weights excluded; gradients and optimizer state, created by the
-step, included), with glibc told to return large blocks at free (MALLOC_MMAP_THRESHOLD_).
+Each probe is one benchmark subprocess (``division.bench.measure``, the runner's own training step). GPU:
+the budget is compared with CUDA max allocated. CPU: with the peak resident-memory growth over the training
+steps (model weights excluded; gradients and optimizer state, created by the steps, included), with glibc
+told to return large blocks at free (``memory.release_freed_memory``).
 """
 import argparse
-import os
 import re
 from pathlib import Path
 from typing import Callable
@@ -55,10 +55,6 @@ def main(argv=None):
                    help="keep glibc's default malloc (its cached free memory then inflates the CPU peak)")
     args = p.parse_args(argv)
     budget = parse_bytes(args.budget)
-    if not args.glibc_default:
-        # large blocks from mmap, returned at free: the resident set then tracks live tensors, not the heap's
-        # high-water mark (CPU only; no effect on CUDA)
-        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     out = Path(args.out)
     for method in args.methods.split(","):
         path = out / f"{args.model}_{method}_{args.budget}.json"
@@ -67,7 +63,8 @@ def main(argv=None):
             continue
         tried = {}
         bargs = bench_parse(["--image-size", str(args.image_size), "--steps", "1", "--warmup", "1",
-                             "--device", args.device, "--suite", "max_batch", "--no-fp-reference"])
+                             "--device", args.device, "--suite", "max_batch", "--no-fp-reference"] +
+                            (["--glibc-default"] if args.glibc_default else []))
 
         def fits(batch: int) -> bool:
             tmp = out / ".probe" / f"{args.model}_{method}_b{batch}.json"
@@ -80,17 +77,18 @@ def main(argv=None):
         best = find_max_batch(fits, 1, args.limit)
         results.write_json(path, {"status": "ok", "model": args.model, "method": method, "budget": args.budget,
                                   "budget_bytes": budget, "max_batch": best, "probes": tried,
-                                  "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
-                                  "device": rec_device(out, args.model, method)})
+                                  "malloc_mmap_threshold": None if args.glibc_default else 65536,
+                                  **probe_provenance(out, args.model, method)})
         print(f"{args.model} {method}: max batch {best} within {args.budget}")
 
 
-def rec_device(out, model, method):
+def probe_provenance(out, model, method) -> dict:
+    """Commit, code version, versions and device, as the probes (which ran the measurement) recorded them."""
     for f in sorted((out / ".probe").glob(f"{model}_{method}_b*.json")):
-        dev = results.read_json(f).get("device")
-        if dev:
-            return dev
-    return None
+        rec = results.read_json(f)
+        if rec.get("device"):
+            return {k: rec.get(k) for k in ("git_sha", "git_dirty", "code_version", "versions", "device")}
+    return {"device": None}
 
 
 if __name__ == "__main__":

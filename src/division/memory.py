@@ -1,17 +1,24 @@
-"""Accounting of the bytes a training step holds for backward, de-duplicated by storage.
+"""Accounting of the bytes a training step holds for backward, de-duplicated by storage, and of the
+process's peak memory.
 
 Two sources are merged: the records a method's policy wrote while compressing (what its autograd
 functions keep), and every tensor plain autograd saved outside them (observed through
-``torch.autograd.graph.saved_tensors_hooks``). Parameters are never counted: they exist anyway.
+``torch.autograd.graph.saved_tensors_hooks``). Parameters (and views of them, such as the ``weight.t()``
+a Linear saves) are never counted: they exist anyway. Under autocast, plain autograd also saves the
+low-precision casts of weights; they are not activations either and are reported on their own line
+(``amp_weight_cast_bytes``), outside both the held and the full-precision totals.
 """
 import contextlib
+import ctypes
+import ctypes.util
+import resource
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
 
-from division.compress import TensorIds
+from division.compress import TensorIds, storage_key
 
 
 @dataclass
@@ -21,6 +28,8 @@ class MemoryReport:
     layers: List[dict] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
     host_bytes: int = 0  # bytes moved off the device (swap)
+    amp_weight_cast_bytes: int = 0  # autocast copies of weights saved by plain autograd (not activations)
+    backends: Dict[str, int] = field(default_factory=dict)  # codec backend -> tensors it encoded
 
     @property
     def ratio(self) -> float:
@@ -29,6 +38,7 @@ class MemoryReport:
     def summary(self) -> dict:
         return {"act_mem_bytes": self.held_bytes, "act_mem_fp_bytes": self.fp_bytes,
                 "act_compression": round(self.ratio, 4), "act_mem_host_bytes": self.host_bytes,
+                "amp_weight_cast_bytes": self.amp_weight_cast_bytes, "codec_backends": dict(self.backends),
                 "notes": list(self.notes)}
 
     def by_codec(self) -> Dict[str, int]:
@@ -45,28 +55,79 @@ class MemoryReport:
             lines.append(f"{r['layer'][:40]:40s} {r['kind']:8s} {r['codec'][:14]:14s} {str(r['shape'])[:22]:22s} "
                          f"{r['fp_bytes']:12d} {r['held_bytes']:12d}")
         lines.append(f"total held {self.held_bytes} B, full precision {self.fp_bytes} B, ratio {self.ratio:.2f}x")
+        if self.amp_weight_cast_bytes:
+            lines.append(f"autocast weight copies (not counted above) {self.amp_weight_cast_bytes} B")
         return "\n".join(lines)
 
 
-class SavedTensorRecorder:
-    """Observes every tensor autograd saves (outside the methods' own functions) without changing it."""
+def parameter_storages(model: Optional[nn.Module]) -> frozenset:
+    """Storage keys of a model's parameters and buffers: saved tensors on them are not activations."""
+    if model is None:
+        return frozenset()
+    return frozenset(storage_key(t) for t in (*model.parameters(), *model.buffers()))
 
-    def __init__(self, ids=None):
+
+def is_weight_cast(t: torch.Tensor) -> bool:
+    """A dtype cast of a parameter (what autocast makes of a weight), or a view of one (a Linear saves
+    ``weight.t()``): ToCopy straight from a leaf parameter."""
+    base = t._base if t._is_view() and t._base is not None else t
+    fn = base.grad_fn
+    if fn is None or fn.name() != "ToCopyBackward0":
+        return False
+    nxt = fn.next_functions[0][0] if fn.next_functions else None
+    return isinstance(getattr(nxt, "variable", None), nn.Parameter)
+
+
+class SavedTensorRecorder:
+    """Observes every tensor autograd saves (outside the methods' own functions).
+
+    ``keep=True`` hands each tensor back to autograd unchanged (a real training step). ``keep=False``
+    records shape and storage size and keeps nothing, so a forward measured this way frees each activation as
+    soon as the forward itself no longer needs it: its graph can never run backward.
+    """
+
+    def __init__(self, ids=None, exclude=frozenset(), keep: bool = True):
         self.tensors: Dict[tuple, tuple] = {}
         self.ids = ids if ids is not None else TensorIds()
+        self.exclude = exclude
+        self.keep = keep
+        self.weight_casts: Dict[tuple, int] = {}
+        self.moved: Dict[tuple, tuple] = {}  # saved tensors a method moved off the device (fp-equivalent only)
 
     def _pack(self, t):
-        if not isinstance(t, nn.Parameter) and t.layout == torch.strided:
+        if t.layout == torch.strided and not isinstance(t, nn.Parameter) and storage_key(t) not in self.exclude:
             key = self.ids(t)
-            if key not in self.tensors:
+            if is_weight_cast(t):
+                self.weight_casts.setdefault(key, t.untyped_storage().nbytes())
+            elif key not in self.tensors:
                 self.tensors[key] = (tuple(t.shape), t.untyped_storage().nbytes(), str(t.dtype))
+        if not self.keep:
+            return None
         # detach(): the same storage without the autograd history; returning ``t`` itself would tie a
         # saved output to its own grad_fn, a cycle that leaks the graph when it is dropped without backward
         return t.detach()
 
+    def fp_only(self, t: torch.Tensor):
+        """Record a saved tensor that the method does not keep on the device (swap): it counts towards the
+        full-precision equivalent, not towards the bytes held."""
+        key = self.ids(t)
+        if is_weight_cast(t):
+            self.weight_casts.setdefault(key, t.untyped_storage().nbytes())
+        else:
+            self.moved.setdefault(key, (tuple(t.shape), t.untyped_storage().nbytes(), str(t.dtype)))
+
+    @staticmethod
+    def _unpack(t):
+        if t is None:
+            raise RuntimeError("backward through a forward measured with keep=False: it holds no tensors")
+        return t
+
+    def total_bytes(self) -> int:
+        return sum(nbytes for _, nbytes, _ in self.tensors.values())
+
     @contextlib.contextmanager
     def record(self):
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield self
 
 
@@ -75,6 +136,7 @@ def build_report(policy_records, recorder: SavedTensorRecorder, notes=(), host_b
     held: Dict[tuple, int] = {}
     fp: Dict[tuple, int] = {}
     layers = []
+    backends: Dict[str, int] = {}
     anonymous = 0
     for r in policy_records:
         new = 0
@@ -82,6 +144,8 @@ def build_report(policy_records, recorder: SavedTensorRecorder, notes=(), host_b
             if key not in held:
                 held[key] = nbytes
                 new += nbytes
+        if r.backend:
+            backends[r.backend] = backends.get(r.backend, 0) + 1
         fp_key = r.fp_key if r.fp_key is not None else ("record", anonymous)
         anonymous += 1
         fp_new = 0 if fp_key in fp else r.fp_bytes
@@ -96,4 +160,118 @@ def build_report(policy_records, recorder: SavedTensorRecorder, notes=(), host_b
         if new_held or new_fp:
             layers.append({"layer": "(autograd)", "kind": "other", "codec": f"full {dtype}", "shape": list(shape),
                            "fp_bytes": new_fp, "held_bytes": new_held})
-    return MemoryReport(sum(held.values()), sum(fp.values()), layers, list(notes), host_bytes)
+    for key, (shape, nbytes, dtype) in recorder.moved.items():
+        if key not in fp:
+            fp[key] = nbytes
+            layers.append({"layer": "(autograd, moved off the device)", "kind": "other", "codec": f"host {dtype}",
+                           "shape": list(shape), "fp_bytes": nbytes, "held_bytes": 0})
+    return MemoryReport(sum(held.values()), sum(fp.values()), layers, list(notes), host_bytes,
+                        sum(recorder.weight_casts.values()), backends)
+
+
+# -- peak memory -----------------------------------------------------------------------------------------
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+LARGE_BLOCK = 64 * 1024
+FAST_MMAP_THRESHOLD = 32 * 2**20  # glibc's own ceiling for its dynamic threshold
+
+
+def _mallopt(mmap_threshold: int, trim_threshold: int) -> bool:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1 and \
+            libc.mallopt(M_TRIM_THRESHOLD, trim_threshold) == 1
+    except (OSError, AttributeError):
+        return False
+
+
+def release_freed_memory() -> bool:
+    """Tell glibc to serve blocks of 64 KiB and more with mmap and to give them back at free (CPU runs).
+
+    By default glibc raises its mmap threshold after the first large free and keeps later frees in its heap,
+    so the resident set stays at the heap's high-water mark: a peak that says more about the allocator than
+    about the tensors alive. With this, the resident set follows live memory (same effect as
+    ``MALLOC_MMAP_THRESHOLD_=65536``, set at run time). The price is a page fault per fresh page: training
+    steps run markedly slower, so the runner and the benchmark use it only while they measure memory and
+    then call :func:`reuse_freed_memory`. Returns False where unsupported.
+    """
+    if not _mallopt(LARGE_BLOCK, LARGE_BLOCK):
+        return False
+    try:  # and give back what the heap holds free now, so the measurement starts from live memory
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    return True
+
+
+def reuse_freed_memory() -> bool:
+    """The fast setting after a memory measurement: blocks under 32 MiB are reused from the heap (glibc's
+    default behaviour at its largest), larger ones still go back at free."""
+    return _mallopt(FAST_MMAP_THRESHOLD, 2 * FAST_MMAP_THRESHOLD)
+
+
+def _status_kib(field_name: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def resident_bytes() -> int:
+    kib = _status_kib("VmRSS")
+    return kib * 1024 if kib is not None else 0
+
+
+class PeakMeter:
+    """Peak memory since ``reset()``: the CUDA allocator's max allocated, or on CPU the process's peak
+    resident set (VmHWM, reset through /proc/self/clear_refs; where that is unavailable, the lifetime peak,
+    and ``resettable`` says so)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.resettable = device.type == "cuda" or _status_kib("VmHWM") is not None
+        self.base = 0
+
+    def current(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device))
+        return resident_bytes()
+
+    def reset(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.resettable:
+            try:
+                with open("/proc/self/clear_refs", "w") as fh:
+                    fh.write("5")
+            except OSError:
+                self.resettable = False
+        self.base = self.current()
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return int(torch.cuda.max_memory_allocated(self.device))
+        kib = _status_kib("VmHWM") if self.resettable else None
+        if kib is not None:
+            return kib * 1024
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+    def growth(self) -> int:
+        """Peak minus what was in use at ``reset()``."""
+        return max(0, self.peak() - self.base)
+
+    def describe(self) -> str:
+        if self.device.type == "cuda":
+            return "torch.cuda.max_memory_allocated since the step began"
+        how = "VmHWM reset by /proc/self/clear_refs" if self.resettable else "lifetime ru_maxrss (not resettable)"
+        return f"process peak resident set ({how})"
+
+
+__all__ = ["MemoryReport", "SavedTensorRecorder", "build_report", "parameter_storages", "is_weight_cast",
+           "release_freed_memory", "reuse_freed_memory", "resident_bytes", "PeakMeter"]

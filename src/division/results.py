@@ -9,7 +9,7 @@ from typing import Any, Dict
 
 import torch
 
-HASH_IGNORED = ("seed", "paths", "logger", "resume", "skip_done", "run_id", "exp_name")
+HASH_IGNORED = ("seed", "paths", "logger", "resume", "skip_done", "run_id", "exp_name", "accept_stale")
 
 
 def write_text(path, text: str) -> None:
@@ -54,6 +54,50 @@ def git_state(cwd=None):
         return sha, dirty
     except (OSError, subprocess.SubprocessError):
         return None, None
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def code_version(root: Path = ROOT) -> str:
+    """Hash of the code that decides a result: the package's sources and the configs (not docs, not results).
+    Unlike the commit, it does not change when only documentation or results are committed, and it does
+    change with uncommitted edits."""
+    h = hashlib.sha1()
+    files = sorted([*(root / "src" / "division").rglob("*.py"), *(root / "src" / "division").rglob("*.c"),
+                    *(root / "configs").rglob("*.yaml")])
+    for f in files:
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def provenance(device: torch.device) -> Dict[str, Any]:
+    """What every result file records: commit, dirty flag, code version, library versions, device."""
+    sha, dirty = git_state(ROOT)
+    return {"git_sha": sha, "git_dirty": dirty, "code_version": code_version(), "versions": versions(),
+            "device": device_description(device)}
+
+
+def portable(obj):
+    """A resolved config with absolute paths rewritten relative to the project root (``../shared/...`` for
+    paths beside it), so committed results carry no machine's directory layout."""
+    if isinstance(obj, dict):
+        return {k: portable(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [portable(v) for v in obj]
+    if isinstance(obj, str) and os.path.isabs(obj):
+        return os.path.relpath(obj, ROOT)
+    return obj
+
+
+def relative_to_root(path) -> str:
+    """A path as stored in committed results: relative to the project root when inside it."""
+    p = Path(path)
+    try:
+        return str(p.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
 
 
 def versions() -> Dict[str, str]:

@@ -74,13 +74,15 @@ def run(cfg: DictConfig) -> dict:
         raise ValueError(f"trainer.sync_bn=true needs CUDA (DistributedDataParallel refuses SyncBatchNorm on "
                          f"{device.type}); set trainer.sync_bn=false")
 
-    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved = results.portable(OmegaConf.to_container(cfg, resolve=True))
     cfg_hash = results.config_hash(resolved)
+    code = results.code_version()
     run_dir = Path(cfg.paths.runs_dir) / str(cfg.exp_name) / run_id_for(cfg, cfg_hash)
     result_path, ckpt_path = run_dir / "result.json", run_dir / "checkpoint.pt"
     if cfg.get("skip_done") and result_path.exists():
         previous = results.read_json(result_path)
         if previous.get("status") == "ok":
+            check_same_code(previous.get("code_version"), code, result_path, cfg)
             if info.is_main:
                 print(f"skip: {result_path} already ok (top1 {previous.get('top1')})")
             return previous
@@ -107,7 +109,8 @@ def run(cfg: DictConfig) -> dict:
     scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
     state = engine.StepState(device, amp, float(cfg.optim.get("grad_clip", 0.0)),
                              float(cfg.optim.get("label_smoothing", 0.0)), max_steps,
-                             progress=bool(cfg.trainer.progress), scaler=scaler, dist_info=info)
+                             progress=bool(cfg.trainer.progress), scaler=scaler, dist_info=info,
+                             live_peak=bool(cfg.trainer.get("release_freed_memory", True)))
 
     sha, dirty = results.git_state()
     result = {
@@ -117,13 +120,16 @@ def run(cfg: DictConfig) -> dict:
         "throughput_img_s": None, "peak_mem_bytes": None, "act_mem_bytes": None, "act_mem_fp_bytes": None,
         "act_compression": None, "lr": lr, "global_batch": global_batch, "world_size": info.world_size,
         "train_size": data_info.train_size, "test_size": data_info.test_size,
-        "git_sha": sha, "git_dirty": dirty, "versions": results.versions(),
-        "device": results.device_description(device), "wall_time_s": 0.0,
+        "git_sha": sha, "git_dirty": dirty, "code_version": code, "versions": results.versions(),
+        "device": results.device_description(device), "method_info": method.describe(),
+        "input_size": data_info.image_size, "codec_backends": None,
+        "peak_mem_how": None, "wall_time_s": 0.0,
     }
     start_epoch = 0
     requeued = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0  # SLURM requeue: always continue
     if (cfg.get("resume") or requeued) and ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
+        ckpt = load_checkpoint(ckpt_path, device)
+        check_same_code(ckpt.get("code_version"), code, ckpt_path, cfg)
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
@@ -164,7 +170,7 @@ def run(cfg: DictConfig) -> dict:
                        "lr": optimizer.param_groups[0]["lr"]}
             result["epochs"].append(metrics)
             for key in ("top1", "throughput_img_s", "peak_mem_bytes", "act_mem_bytes", "act_mem_fp_bytes",
-                        "act_compression"):
+                        "act_compression", "amp_weight_cast_bytes", "codec_backends", "peak_mem_how"):
                 if metrics.get(key) is not None:
                     result[key] = metrics[key]
             tops = [e["top1"] for e in result["epochs"] if e.get("top1") is not None]
@@ -180,6 +186,7 @@ def run(cfg: DictConfig) -> dict:
                         "rng_cpu": torch.get_rng_state(),
                         "rng_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
                         "epoch": epoch + 1, "global_step": state.global_step, "epochs": result["epochs"],
+                        "code_version": code,
                         "wall_time_s": time.perf_counter() - t_start})
             write("running")
         if info.enabled:
@@ -200,11 +207,42 @@ def run(cfg: DictConfig) -> dict:
         logger.finish()
         dist.barrier()
     if info.is_main:
-        print(f"done: {result_path}\n  top1 {result['top1']:.2f}%  best {result['best_top1']:.2f}%  "
-              f"throughput {result['throughput_img_s']:.1f} img/s  peak memory {result['peak_mem_bytes'] / 2**20:.0f} MiB"
-              f"  activations {result['act_mem_bytes'] / 2**20:.2f} MiB held vs "
-              f"{result['act_mem_fp_bytes'] / 2**20:.2f} MiB full precision ({result['act_compression']:.2f}x)")
+        print(done_line(result_path, result))
     return result
+
+
+def done_line(path, r: dict) -> str:
+    def mib(v):
+        return "n/a" if v is None else f"{v / 2**20:.2f} MiB"
+    speed = "n/a (only the accounted step ran)" if r["throughput_img_s"] is None else f"{r['throughput_img_s']:.1f} img/s"
+    act = (f"activations {mib(r['act_mem_bytes'])} held vs {mib(r['act_mem_fp_bytes'])} full precision "
+           f"({r['act_compression']:.2f}x)" if r.get("act_compression") else "activations not measured")
+    casts = f", autocast weight copies {mib(r['amp_weight_cast_bytes'])}" if r.get("amp_weight_cast_bytes") else ""
+    top1 = "n/a" if r["top1"] is None else f"{r['top1']:.2f}%"
+    best = "n/a" if r["best_top1"] is None else f"{r['best_top1']:.2f}%"
+    return (f"done: {results.relative_to_root(path)}\n  top1 {top1}  best {best}  throughput {speed}  "
+            f"peak memory {mib(r['peak_mem_bytes'])} ({r.get('peak_mem_how')})\n  {act}{casts}")
+
+
+def load_checkpoint(path: Path, device) -> dict:
+    """torch.load with a clear error for a truncated or corrupt file."""
+    try:
+        return torch.load(path, map_location=device, weights_only=False)
+    except Exception as err:  # pickle, zip and EOF errors all mean the same thing here
+        raise RuntimeError(
+            f"checkpoint {results.relative_to_root(path)} cannot be read ({type(err).__name__}: {err}). Either delete "
+            f"it to restart this run from scratch, or run with resume=false (which also starts over and "
+            f"overwrites it).") from None
+
+
+def check_same_code(previous, current: str, path: Path, cfg: DictConfig):
+    """A finished or checkpointed run made by other code is not silently reused."""
+    if previous == current or cfg.get("accept_stale"):
+        return
+    raise RuntimeError(
+        f"{results.relative_to_root(path)} was made by code version {previous} but the code is now {current} "
+        f"(sources or configs changed). Rerun it with skip_done=false resume=false, or keep it with "
+        f"accept_stale=true.")
 
 
 def engine_line(m: dict) -> str:

@@ -10,21 +10,20 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from division.codecs.quant import (Bf16Copy, Packed, QuantizedTensor, check_bits, encode_maps_compiled,
-                                   quantize_per_row)
+from division.codecs.quant import (BACKENDS, Bf16Copy, Packed, QuantizedTensor, check_backend, check_bits,
+                                   encode_maps_compiled, kernel_library, quantize_per_row)
 
 LFC_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-BACKENDS = ("auto", "reference", "compiled")
 
 
 def _ptr(t: torch.Tensor):
     return t.data_ptr()
 
 
-def _encode_compiled(x: torch.Tensor, block_hw, bits: int, stochastic: bool) -> Optional["DivisionPacked"]:
+def _encode_compiled(lib, x: torch.Tensor, block_hw, bits: int, stochastic: bool) -> Optional["DivisionPacked"]:
     """The fused CPU kernel (division/kernels); None when a map holds NaN or Inf."""
     n, c, h, w = x.shape
-    encoded = encode_maps_compiled(x, n * c, h, w, block_hw, bits, stochastic)
+    encoded = encode_maps_compiled(x, n * c, h, w, block_hw, bits, stochastic, lib=lib)
     if encoded is None:
         return None
     lfc, q = encoded
@@ -92,6 +91,10 @@ class DivisionPacked(Packed):
     compiled: bool = False
     kind = "division"
 
+    @property
+    def backend(self) -> str:
+        return "compiled" if self.compiled else "reference"
+
     def tensors(self):
         return [self.lfc, *self.hfc.tensors(), self.bad_index, self.bad_value]
 
@@ -112,9 +115,7 @@ class DivisionCodec:
 
     def __init__(self, block_size: int = 8, hfc_bits: int = 2, lfc_dtype: str = "bf16", min_numel: int = 0,
                  stochastic: bool = True, backend: str = "auto"):
-        if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r} is invalid; valid choices: {list(BACKENDS)}")
-        self.backend = backend
+        self.backend = check_backend(backend)
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size={block_size!r} is invalid; it must be an integer >= 1 (paper: 8)")
         if lfc_dtype not in LFC_DTYPES:
@@ -134,8 +135,9 @@ class DivisionCodec:
         block_hw = lfc_blocks(h, w, self.block_size)
         if h * w == 1 or x.numel() < self.min_numel or self.map_nbytes(h, w) >= 2 * h * w:
             return Bf16Copy.encode(x)
-        if self.backend != "reference" and self._use_compiled(x):
-            packed = _encode_compiled(x, block_hw, self.hfc_bits, self.stochastic)
+        lib = self._compiled_library(x)
+        if lib is not None:
+            packed = _encode_compiled(lib, x, block_hw, self.hfc_bits, self.stochastic)
             if packed is not None:
                 return packed
         xf = x.float()
@@ -151,15 +153,13 @@ class DivisionCodec:
             lfc = self._lfc(xf, block_hw)
         hfc = xf.clone() if xf is x else xf.contiguous()
         add_blocks_(hfc, lfc, block_hw, sign=-1.0)
-        q = quantize_per_row(hfc.reshape(n * c, h * w), self.hfc_bits, self.stochastic)
+        q = quantize_per_row(hfc.reshape(n * c, h * w), self.hfc_bits, self.stochastic, backend=self.backend)
         return DivisionPacked(lfc, q, block_hw, x.shape, x.dtype, bad_index, bad_value)
 
-    def _use_compiled(self, x: torch.Tensor) -> bool:
-        from division import kernels
+    def _compiled_library(self, x: torch.Tensor):
+        """The CPU kernel library where it applies to ``x`` and the backend allows it, else None."""
         ok = x.device.type == "cpu" and self.lfc_dtype == torch.bfloat16 and x.dtype in (torch.float32, torch.bfloat16)
-        if ok and kernels.library() is None and self.backend == "compiled":
-            raise RuntimeError("backend='compiled' but the compiled kernels could not be built; use backend=auto")
-        return ok and kernels.library() is not None
+        return kernel_library(self.backend) if ok else None
 
     def map_nbytes(self, height: int, width: int) -> float:
         """Bytes DIVISION holds per (sample, channel) map: LFC, packed HFC, fp32 minimum and scale."""

@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 import torch
 
-from division.codecs.quant import Bf16Copy, Packed, QuantizedTensor, check_bits, quantize_per_row
+from division.codecs.quant import Bf16Copy, Packed, QuantizedTensor, check_backend, check_bits, quantize_per_row
 
 
 @dataclass(eq=False)
@@ -14,6 +14,10 @@ class ReshapedQuantized(Packed):
     shape: torch.Size
     samples: int = 1  # the padding (if any) sits at the end of each sample's flattened row
     kind = "quantized"
+
+    @property
+    def backend(self) -> str:
+        return self.q.backend
 
     def tensors(self):
         return self.q.tensors()
@@ -27,7 +31,8 @@ class GroupwiseCodec:
     """ActNN's L2 level (Chen et al., 2021): each sample's activation, flattened, is cut into groups of
     ``group_size`` contiguous elements; every group gets its own minimum and range; stochastic rounding."""
 
-    def __init__(self, bits: int = 2, group_size: int = 256, stochastic: bool = True):
+    def __init__(self, bits: int = 2, group_size: int = 256, stochastic: bool = True, backend: str = "auto"):
+        self.backend = check_backend(backend)
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size={group_size!r} is invalid; it must be an integer >= 1 (ActNN: 256)")
         self.bits = check_bits(bits)
@@ -40,14 +45,15 @@ class GroupwiseCodec:
         pad = (-flat.shape[1]) % self.group_size
         if pad:  # repeat the last element, so padding never widens a group's range
             flat = torch.cat([flat, flat[:, -1:].expand(n, pad)], dim=1)
-        q = quantize_per_row(flat.reshape(-1, self.group_size), self.bits, self.stochastic)
+        q = quantize_per_row(flat.reshape(-1, self.group_size), self.bits, self.stochastic, backend=self.backend)
         return ReshapedQuantized(q, x.shape, n)
 
 
 class PerChannelCodec:
     """A plain per-(sample, channel) quantizer: DIVISION without its LFC, at the same bits (an ablation)."""
 
-    def __init__(self, bits: int = 2, stochastic: bool = True, min_numel: int = 0):
+    def __init__(self, bits: int = 2, stochastic: bool = True, min_numel: int = 0, backend: str = "auto"):
+        self.backend = check_backend(backend)
         self.bits = check_bits(bits)
         self.stochastic = stochastic
         self.min_numel = min_numel
@@ -58,7 +64,7 @@ class PerChannelCodec:
         n, c, h, w = x.shape
         if h * w == 1 or x.numel() < self.min_numel or h * w * self.bits / 8 + 8 >= 2 * h * w:
             return Bf16Copy.encode(x)
-        q = quantize_per_row(x.reshape(n * c, h * w), self.bits, self.stochastic)
+        q = quantize_per_row(x.reshape(n * c, h * w), self.bits, self.stochastic, backend=self.backend)
         return ReshapedQuantized(q, x.shape)
 
 
@@ -72,11 +78,25 @@ class BlpaCodec:
     (the paper approximates the batch-norm/ReLU outputs that feed convolutions).
     """
 
-    def __init__(self, bits: int = 4, stochastic: bool = False):
+    def __init__(self, bits: int = 4, stochastic: bool = False, backend: str = "auto"):
         self.bits = check_bits(bits)
         self.stochastic = stochastic
+        self.backend = check_backend(backend)
 
     def encode(self, x: torch.Tensor) -> Packed:
-        xf = x.reshape(1, -1)
-        q = quantize_per_row(xf, self.bits, self.stochastic)
+        """One range for the layer, held once; the codes are cut into equal rows so that the compiled kernel
+        spreads them over every thread."""
+        flat = x.reshape(-1)
+        mn, mx = torch.aminmax(flat.float())
+        rows = parallel_rows(flat.numel())
+        q = quantize_per_row(flat.view(rows, -1), self.bits, self.stochastic, minimum=mn.reshape(1),
+                             maximum=mx.reshape(1), backend=self.backend)
         return ReshapedQuantized(q, x.shape)
+
+
+def parallel_rows(numel: int, min_row: int = 4096) -> int:
+    """The most rows (up to 256, a power of two) that divide ``numel`` into rows of at least ``min_row``."""
+    rows = 256
+    while rows > 1 and (numel % rows or numel // rows < min_row):
+        rows //= 2
+    return rows

@@ -12,6 +12,27 @@ import torch
 from division.codecs.packing import pack_bits, packed_nbytes, unpack_bits
 
 VALID_BITS = (1, 2, 4, 8)
+BACKENDS = ("auto", "reference", "compiled")
+
+
+def check_backend(backend) -> str:
+    """``auto``: the compiled CPU kernel where it applies, else PyTorch; ``reference``: pure PyTorch;
+    ``compiled``: the CPU kernel, an error if it cannot be built (tensors it cannot take still use PyTorch)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is invalid; valid choices: {list(BACKENDS)}")
+    return backend
+
+
+def kernel_library(backend: str):
+    """The compiled library if ``backend`` allows it and it is available, else None."""
+    if backend == "reference":
+        return None
+    from division import kernels
+    lib = kernels.library()
+    if lib is None and backend == "compiled":
+        raise RuntimeError("backend='compiled' but the compiled kernels could not be built (no C compiler?); "
+                           "use backend=auto or backend=reference")
+    return lib
 
 
 def check_bits(bits, what: str = "bits") -> int:
@@ -38,6 +59,7 @@ class Packed(ABC):
     """A compressed activation: what it holds, how many bytes, how to get the tensor back."""
 
     kind = "packed"
+    backend = "reference"  # which implementation encoded it: "reference" (PyTorch) or "compiled"
 
     @abstractmethod
     def tensors(self):
@@ -68,6 +90,7 @@ class QuantizedTensor(Packed):
     dtype: torch.dtype
     bad_index: Optional[torch.Tensor] = None
     bad_value: Optional[torch.Tensor] = None
+    backend: str = "reference"
     kind = "quantized"
 
     def tensors(self):
@@ -83,18 +106,26 @@ class QuantizedTensor(Packed):
 
 def quantize_per_row(x2d: torch.Tensor, bits: int, stochastic: bool = True,
                      minimum: Optional[torch.Tensor] = None, maximum: Optional[torch.Tensor] = None,
-                     generator: Optional[torch.Generator] = None) -> QuantizedTensor:
+                     generator: Optional[torch.Generator] = None, backend: str = "auto") -> QuantizedTensor:
     """Quantize each row of a 2-D tensor to ``bits`` bits between its minimum and maximum.
 
     Stochastic rounding (floor(v + u), u ~ U[0,1)) makes the decoded value unbiased. A constant row has
-    scale 0 and decodes exactly. ``minimum``/``maximum`` (one per row) override the row statistics; values
-    outside them are clamped (BLPA's fixed per-layer range uses this).
+    scale 0 and decodes exactly. ``minimum``/``maximum`` (one per row, or one for all rows) override the row
+    statistics; values outside them are clamped (BLPA's per-layer range uses this).
     """
     rows, row_len = x2d.shape
-    if minimum is None and maximum is None and x2d.device.type == "cpu" and x2d.dtype in (torch.float32, torch.bfloat16):
-        fast = _quantize_rows_compiled(x2d, bits, stochastic, generator)
-        if fast is not None:
-            return fast
+    if x2d.device.type == "cpu" and x2d.dtype in (torch.float32, torch.bfloat16):
+        lib = kernel_library(check_backend(backend))
+        if lib is not None:
+            fast = _quantize_rows_compiled(lib, x2d, bits, stochastic, generator, minimum, maximum)
+            if fast is not None:
+                return fast
+    return quantize_rows_reference(x2d, bits, stochastic, minimum, maximum, generator)
+
+
+def quantize_rows_reference(x2d, bits, stochastic=True, minimum=None, maximum=None, generator=None):
+    """The readable pure-PyTorch quantizer that every accelerated path is tested against."""
+    rows, row_len = x2d.shape
     levels = (1 << bits) - 1
     xf = x2d.float()
     bad_index = bad_value = None
@@ -121,40 +152,47 @@ def quantize_per_row(x2d: torch.Tensor, bits: int, stochastic: bool = True,
     else:
         v.round_()
     codes = v.clamp_(0, levels).to(torch.uint8)
+    if minimum is not None and minimum.numel() == 1 and bad_index is None:
+        mn, scale = mn[:1], scale[:1]  # one shared range (BLPA) is held once
     return QuantizedTensor(pack_bits(codes, bits), mn.contiguous(), scale.contiguous(), bits, rows, row_len,
                            x2d.dtype, bad_index, bad_value)
 
 
-def _float_kernel(t: torch.Tensor):
-    """The compiled library for a CPU float32 tensor, else None (other tensors take the PyTorch path)."""
-    if t.device.type != "cpu" or t.dtype != torch.float32:
-        return None
-    from division import kernels
-    return kernels.library()
-
-
-def _quantize_rows_compiled(x2d, bits, stochastic, generator):
-    """The fused CPU kernel without an LFC (rows as 1 x n maps); None if unavailable or a row is not finite."""
-    from division import kernels
-    if kernels.library() is None:
-        return None
+def _quantize_rows_compiled(lib, x2d, bits, stochastic, generator, minimum=None, maximum=None):
+    """The fused CPU kernel without an LFC (rows as 1 x n maps); None if a row (or the given range) is not
+    finite. A given range is shared by all rows and is held once."""
     rows, row_len = x2d.shape
-    encoded = encode_maps_compiled(x2d, rows, 1, row_len, None, bits, stochastic, generator)
+    fixed = None
+    if minimum is not None and maximum is not None:
+        if minimum.numel() != 1 or maximum.numel() != 1:
+            return None
+        levels = (1 << bits) - 1
+        mn, mx = minimum.float().reshape(1).cpu(), maximum.float().reshape(1).cpu()
+        if not bool(torch.isfinite(mn).all() and torch.isfinite(mx).all()):
+            return None
+        fixed = (mn, (mx - mn) / levels)
+    encoded = encode_maps_compiled(x2d, rows, 1, row_len, None, bits, stochastic, generator, lib=lib,
+                                   fixed_range=fixed)
     return None if encoded is None else encoded[1]
 
 
 def encode_maps_compiled(x: torch.Tensor, maps: int, h: int, w: int, block_hw, bits: int, stochastic: bool,
-                         generator=None):
+                         generator=None, lib=None, fixed_range=None):
     """``x`` as ``maps`` maps of h x w through the fused CPU kernel: (bf16 LFC of ``block_hw`` blocks, or None
-    without blocks; the b-bit HFC). None when a map holds NaN or Inf, which the reference path keeps exactly."""
-    from division import kernels
-    lib = kernels.library()
+    without blocks; the b-bit HFC). None when a map holds NaN or Inf, which the reference path keeps exactly.
+    ``fixed_range`` = (minimum, scale), one element each: every map uses it (values outside are clamped)."""
+    if lib is None:
+        lib = kernel_library("compiled")
     xc = x.float().contiguous()
     numel = maps * h * w
     bh, bw = block_hw if block_hw else (1, w)
     lfc = torch.empty(maps * -(-h // bh) * -(-w // bw), dtype=torch.bfloat16) if block_hw else None
-    minimum = torch.empty(maps, dtype=torch.float32)
-    scale = torch.empty(maps, dtype=torch.float32)
+    if fixed_range is not None:
+        minimum = fixed_range[0].expand(maps).contiguous()
+        scale = fixed_range[1].expand(maps).contiguous()
+    else:
+        minimum = torch.empty(maps, dtype=torch.float32)
+        scale = torch.empty(maps, dtype=torch.float32)
     aligned = (h * w * bits) % 8 == 0
     codes = torch.empty(0 if aligned else numel, dtype=torch.uint8)
     packed = torch.empty(packed_nbytes(numel, bits), dtype=torch.uint8)
@@ -162,12 +200,21 @@ def encode_maps_compiled(x: torch.Tensor, maps: int, h: int, w: int, block_hw, b
     threads = torch.get_num_threads()
     bad = lib.division_encode(xc.data_ptr(), maps, h, w, bh, bw, bits, seed, int(stochastic),
                               None if lfc is None else lfc.data_ptr(), minimum.data_ptr(), scale.data_ptr(),
-                              codes.data_ptr(), packed.data_ptr(), threads)
+                              codes.data_ptr(), packed.data_ptr(), threads, int(fixed_range is not None))
     if bad:
         return None
     if not aligned:
         lib.pack_codes(codes.data_ptr(), numel, bits, packed.data_ptr(), threads)
-    return lfc, QuantizedTensor(packed, minimum, scale, bits, maps, h * w, x.dtype)
+    if fixed_range is not None:
+        minimum, scale = fixed_range[0].clone(), fixed_range[1].clone()
+    return lfc, QuantizedTensor(packed, minimum, scale, bits, maps, h * w, x.dtype, backend="compiled")
+
+
+def _float_kernel(t: torch.Tensor, backend: str):
+    """The compiled library for a CPU float32 tensor, else None (other tensors take the PyTorch path)."""
+    if t.device.type != "cpu" or t.dtype != torch.float32:
+        return None
+    return kernel_library(backend)
 
 
 @dataclass(eq=False)
@@ -176,6 +223,7 @@ class BitMask(Packed):
 
     packed: torch.Tensor
     shape: torch.Size
+    backend: str = "reference"
     kind = "mask"
 
     @classmethod
@@ -183,21 +231,21 @@ class BitMask(Packed):
         return cls(pack_bits(mask.reshape(-1).to(torch.uint8), 1), mask.shape)
 
     @classmethod
-    def positive(cls, y: torch.Tensor) -> "BitMask":
+    def positive(cls, y: torch.Tensor, backend: str = "auto") -> "BitMask":
         """The mask ``y > 0`` (ReLU's), packed in one pass by the compiled kernel where it applies."""
-        lib = _float_kernel(y)
+        lib = _float_kernel(y, backend)
         if lib is None:
             return cls.encode(y > 0)
         yc = y.contiguous()
         packed = torch.empty(packed_nbytes(y.numel(), 1), dtype=torch.uint8)
         lib.mask_positive(yc.data_ptr(), y.numel(), packed.data_ptr(), torch.get_num_threads())
-        return cls(packed, y.shape)
+        return cls(packed, y.shape, "compiled")
 
     def apply(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` where the mask is set, 0 elsewhere."""
-        lib = _float_kernel(t)
+        """``t`` where the mask is set, 0 elsewhere (with the backend that made the mask)."""
+        lib = _float_kernel(t, self.backend) if self.backend == "compiled" else None
         if lib is None:
-            return t * self.decode().view(t.shape)
+            return torch.where(self.decode().view(t.shape), t, torch.zeros((), dtype=t.dtype, device=t.device))
         tc = t.contiguous()
         out = torch.empty(t.shape, dtype=t.dtype)
         lib.mask_apply(tc.data_ptr(), self.packed.data_ptr(), t.numel(), out.data_ptr(), torch.get_num_threads())
@@ -220,6 +268,7 @@ class Bf16Copy(Packed):
     data: torch.Tensor
     dtype: torch.dtype
     kind = "bf16"
+    backend = "none"  # a plain cast: no codec implementation to choose
 
     @classmethod
     def encode(cls, x: torch.Tensor) -> "Bf16Copy":
@@ -238,6 +287,7 @@ class FullCopy(Packed):
 
     data: torch.Tensor
     kind = "full"
+    backend = "none"
 
     def tensors(self):
         return [self.data]

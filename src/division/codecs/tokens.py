@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from division.codecs.quant import Bf16Copy, Packed, quantize_per_row, check_bits
+from division.codecs.quant import Bf16Copy, Packed, check_backend, check_bits, quantize_per_row
 
 
 @dataclass(eq=False)
@@ -15,6 +15,10 @@ class TokenPacked(Packed):
     grid: Optional[tuple]  # (gh, gw) for a patch grid, None for a sequence pooled along tokens
     shape: torch.Size
     kind = "division"
+
+    @property
+    def backend(self) -> str:
+        return self.body.backend
 
     def tensors(self):
         return (self.prefix.tensors() if self.prefix is not None else []) + self.body.tensors()
@@ -48,6 +52,10 @@ class ChannelQuantized(Packed):
     channel_dim: int
     kind = "quantized"
 
+    @property
+    def backend(self) -> str:
+        return self.q.backend
+
     def tensors(self):
         return self.q.tensors()
 
@@ -61,11 +69,12 @@ class ChannelCodec:
     """Mesa-style (Pan et al., 2021): 8-bit codes with one range per channel (the feature dimension of
     token tensors, dim 1 of maps), round to nearest."""
 
-    def __init__(self, bits: int = 8, stochastic: bool = False):
+    def __init__(self, bits: int = 8, stochastic: bool = False, backend: str = "auto"):
         self.bits = check_bits(bits)
         self.stochastic = stochastic
+        self.backend = check_backend(backend)
 
     def encode(self, x: torch.Tensor) -> Packed:
         channel_dim = 1 if x.dim() == 4 else x.dim() - 1
         rows = x.movedim(channel_dim, 0).reshape(x.shape[channel_dim], -1)
-        return ChannelQuantized(quantize_per_row(rows, self.bits, self.stochastic), x.shape, channel_dim)
+        return ChannelQuantized(quantize_per_row(rows, self.bits, self.stochastic, backend=self.backend), x.shape, channel_dim)

@@ -39,9 +39,10 @@ def _build() -> ctypes.CDLL:
     tag = hashlib.sha1(src + _machine().encode()).hexdigest()[:16]
     lib_path = _cache_dir() / f"division_cpu_{tag}.so"
     if not lib_path.exists():
-        compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+        chosen = os.environ.get("CC")  # CC names the compiler; only without it are cc and gcc tried
+        compiler = shutil.which(chosen) if chosen else (shutil.which("cc") or shutil.which("gcc"))
         if compiler is None:
-            raise OSError("no C compiler found")
+            raise OSError(f"no C compiler found ({'CC=' + chosen if chosen else 'cc, gcc'})")
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
             out = Path(tmp) / lib_path.name
@@ -50,7 +51,7 @@ def _build() -> ctypes.CDLL:
             os.replace(out, lib_path)
     lib = ctypes.CDLL(str(lib_path))
     p, i64, i32, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64
-    lib.division_encode.argtypes = [p, i64, i64, i64, i64, i64, i32, u64, i32, p, p, p, p, p, i32]
+    lib.division_encode.argtypes = [p, i64, i64, i64, i64, i64, i32, u64, i32, p, p, p, p, p, i32, i32]
     lib.division_encode.restype = i32
     lib.pack_codes.argtypes = [p, i64, i32, p, i32]
     lib.pack_codes.restype = None

@@ -82,8 +82,9 @@ static void unpack_aligned(const uint8_t *restrict in, int64_t n, int bits, uint
  * reference path, which keeps such values exactly). */
 int division_encode(const float *x, int64_t maps, int64_t h, int64_t w, int64_t bh, int64_t bw, int bits,
                     uint64_t seed, int stochastic, uint16_t *lfc, float *minimum, float *scale, uint8_t *codes,
-                    uint8_t *packed, int threads) {
-    /* lfc == NULL: no low-frequency component (a plain per-map quantizer; maps of 1 x n are rows). */
+                    uint8_t *packed, int threads, int fixed_range) {
+    /* lfc == NULL: no low-frequency component (a plain per-map quantizer; maps of 1 x n are rows).
+     * fixed_range: minimum[m] and scale[m] are inputs (one range for many maps, BLPA), not outputs. */
     /* Maps whose codes fill whole bytes are packed here into ``packed``; otherwise codes go to ``codes``
      * (one byte each) and the caller packs them with pack_codes. Each map is worked row by row in
      * straight loops over a row (upsampled LFC, HFC, codes) that the compiler vectorises. */
@@ -141,15 +142,20 @@ int division_encode(const float *x, int64_t maps, int64_t h, int64_t w, int64_t 
                 bad += 1;
                 continue;
             }
-            const float sc = (mx - mn) / levels;
+            float sc = (mx - mn) / levels;
+            if (fixed_range) {
+                mn = minimum[m];
+                sc = scale[m];
+            } else {
+                minimum[m] = mn;
+                scale[m] = sc;
+            }
             const float inv = sc > 0.0f ? 1.0f / sc : 0.0f;
-            minimum[m] = mn;
-            scale[m] = sc;
             const uint32_t key = (uint32_t)splitmix64(seed ^ (0xD1B54A32D192ED03ull * (uint64_t)(m + 1)));
             for (int64_t e = 0; e < hw; e++) {
                 const float u = stochastic ? (float)(hash32(key + (uint32_t)e) >> 8) * (1.0f / 16777216.0f) : 0.5f;
                 const float v = (hfc[e] - mn) * inv + u;
-                int q = (int)v;  /* truncation == floor for v >= 0 */
+                int q = v > 0.0f ? (int)v : 0;  /* truncation == floor for v >= 0 */
                 q = q < 0 ? 0 : q;
                 cbuf[e] = (uint8_t)(q < top ? q : top);
             }

@@ -2,12 +2,13 @@
 ``prepare(model)`` (install itself for training steps, never touching parameters, buffers or state_dict)
 and an accounting context that yields the memory report of one training step."""
 import contextlib
+from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
 import torch.nn as nn
 
-from division.memory import MemoryReport, SavedTensorRecorder, build_report
+from division.memory import MemoryReport, SavedTensorRecorder, build_report, parameter_storages
 
 
 @contextlib.contextmanager
@@ -76,28 +77,44 @@ class Method:
         return 0
 
     @contextlib.contextmanager
-    def accounting(self):
-        """Wrap one training forward: afterwards ``acc.report`` holds its MemoryReport."""
+    def accounting(self, model: Optional[nn.Module] = None):
+        """Wrap one training forward: afterwards ``acc.report`` holds its MemoryReport. Pass the model so
+        that saved tensors sharing storage with its parameters (``weight.t()``) are not counted."""
         acc = _Accounting()
-        recorder = SavedTensorRecorder(self.ids())
+        recorder = acc.recorder = SavedTensorRecorder(self.ids(), exclude=parameter_storages(model))
         with recorder.record():
             yield acc
         acc.report = build_report(self.policy_records(), recorder, self.notes, self.host_bytes())
 
-    def fp_reference_bytes(self, model: nn.Module, run_forward) -> int:
-        """Bytes plain autograd holds for the same forward, measured (not derived): the method is bypassed,
-        batch-norm statistics are left as they were, and the graph is dropped at once."""
-        recorder = SavedTensorRecorder()
-        rng = torch.get_rng_state()
-        with self.bypassed(), frozen_batchnorm_stats(model), recorder.record():
+    def fp_reference(self, model: nn.Module, run_forward) -> "FpReference":
+        """What plain autograd would hold for the same forward, measured without holding it: the method is
+        bypassed, every saved tensor is recorded (size, storage) and dropped at once, so each activation is
+        freed as soon as the forward no longer needs it. Batch-norm statistics and every random state the
+        forward touches (CPU and the model's CUDA device) are left as they were."""
+        recorder = SavedTensorRecorder(exclude=parameter_storages(model), keep=False)
+        devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+        with torch.random.fork_rng(devices=devices), self.bypassed(), frozen_batchnorm_stats(model), \
+                recorder.record():
             out = run_forward()
         del out
-        torch.set_rng_state(rng)
-        return sum(nbytes for _, nbytes, _ in recorder.tensors.values())
+        return FpReference(recorder.total_bytes(), sum(recorder.weight_casts.values()))
+
+    def fp_reference_bytes(self, model: nn.Module, run_forward) -> int:
+        return self.fp_reference(model, run_forward).act_bytes
 
     def describe(self) -> dict:
-        return {"name": self.name, "covered_modules": len(self.covered)}
+        out = {"name": self.name, "covered_modules": len(self.covered)}
+        if getattr(self, "backend", None):
+            out["backend"] = self.backend
+        return out
 
 
 class _Accounting:
     report: Optional[MemoryReport] = None
+    recorder: Optional[SavedTensorRecorder] = None
+
+
+@dataclass
+class FpReference:
+    act_bytes: int  # activations plain autograd saves (parameters and their views excluded)
+    amp_weight_cast_bytes: int  # autocast copies of weights it also saves (not activations)

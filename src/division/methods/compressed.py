@@ -17,10 +17,12 @@ class PolicyMethod(Method, metaclass=ABCMeta):
     """A method defined by a codec per tensor; ReLU/dropout masks, max-pool indices and average pools are
     exact in all of them."""
 
-    def __init__(self, name=None, layers=compress.LAYER_KINDS, reuse_relu_mask: bool = False):
+    def __init__(self, name=None, layers=compress.LAYER_KINDS, reuse_relu_mask: bool = False,
+                 backend: str = "auto"):
         super().__init__(name)
         self.layers = compress.check_layer_kinds(layers)
-        self.policy = compress.SavePolicy(self.choose, self.layers, reuse_relu_mask)
+        self.backend = backend
+        self.policy = compress.SavePolicy(self.choose, self.layers, reuse_relu_mask, backend)
 
     @abstractmethod
     def choose(self, kind: str, x: torch.Tensor):
@@ -55,12 +57,12 @@ class Division(PolicyMethod):
 
     def __init__(self, name=None, block_size: int = 8, hfc_bits: int = 2, lfc_dtype: str = "bf16",
                  min_numel: int = 0, lfc: bool = True, reuse_relu_mask: bool = False,
-                 layers=compress.LAYER_KINDS, stochastic: bool = True):
+                 layers=compress.LAYER_KINDS, stochastic: bool = True, backend: str = "auto"):
         if lfc:
-            self.codec = DivisionCodec(block_size, hfc_bits, lfc_dtype, min_numel, stochastic)
+            self.codec = DivisionCodec(block_size, hfc_bits, lfc_dtype, min_numel, stochastic, backend)
         else:
-            self.codec = PerChannelCodec(hfc_bits, stochastic, min_numel)
-        super().__init__(name, layers, reuse_relu_mask)
+            self.codec = PerChannelCodec(hfc_bits, stochastic, min_numel, backend)
+        super().__init__(name, layers, reuse_relu_mask, backend)
         self.notes = ["maps with 1x1 spatial size, fewer than min_numel elements, and 2-D inputs are held in "
                       "bf16; token tensors use the patch grid (prefix tokens in bf16) or pool along tokens"]
 
@@ -79,9 +81,9 @@ class ActNN(PolicyMethod):
     name = "actnn"
 
     def __init__(self, name=None, bits: int = 2, group_size: int = 256, layers=compress.LAYER_KINDS,
-                 stochastic: bool = True):
-        self.codec = GroupwiseCodec(bits, group_size, stochastic)
-        super().__init__(name, layers)
+                 stochastic: bool = True, backend: str = "auto"):
+        self.codec = GroupwiseCodec(bits, group_size, stochastic, backend)
+        super().__init__(name, layers, backend=backend)
 
     def choose(self, kind, x):
         return self.codec.encode(x)
@@ -92,9 +94,10 @@ class Blpa(PolicyMethod):
 
     name = "blpa"
 
-    def __init__(self, name=None, bits: int = 4, layers=compress.LAYER_KINDS, stochastic: bool = False):
-        self.codec = BlpaCodec(bits, stochastic)
-        super().__init__(name, layers)
+    def __init__(self, name=None, bits: int = 4, layers=compress.LAYER_KINDS, stochastic: bool = False,
+                 backend: str = "auto"):
+        self.codec = BlpaCodec(bits, stochastic, backend)
+        super().__init__(name, layers, backend=backend)
 
     def choose(self, kind, x):
         return self.codec.encode(x)
@@ -107,9 +110,10 @@ class Mesa(PolicyMethod):
 
     name = "mesa"
 
-    def __init__(self, name=None, bits: int = 8, layers=compress.LAYER_KINDS, stochastic: bool = False):
-        self.codec = ChannelCodec(bits, stochastic)
-        super().__init__(name, layers)
+    def __init__(self, name=None, bits: int = 8, layers=compress.LAYER_KINDS, stochastic: bool = False,
+                 backend: str = "auto"):
+        self.codec = ChannelCodec(bits, stochastic, backend)
+        super().__init__(name, layers, backend=backend)
 
     def choose(self, kind, x):
         return self.codec.encode(x)

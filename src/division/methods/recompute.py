@@ -6,7 +6,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from division.compress import TensorIds
+from division.compress import TensorIds, storage_key
+from division.memory import parameter_storages
 from division.methods.base import Method, frozen_batchnorm_stats
 
 GRANULARITIES = ("stage", "block")
@@ -79,38 +80,53 @@ class Checkpoint(Method):
 
 
 class Swap(Method):
-    """Saved activations go to pinned host memory during forward and come back in backward
-    (torch.autograd.graph.save_on_cpu). On a CPU-only machine this moves nothing: it is plain training,
-    and the report says so."""
+    """Saved activations go to (pinned) host memory during forward and come back in backward, as
+    ``torch.autograd.graph.save_on_cpu`` does. Its own saved-tensor hooks also do the accounting (an inner
+    hook hides tensors from any outer one): bytes moved to the host, and bytes left on the device
+    (parameters, which are not counted, and tensors already in host memory). Bypassed, it moves nothing.
+    On a CPU-only machine it moves nothing either: it is plain training, and the report says so."""
 
     name = "swap"
 
     def __init__(self, name=None, pin_memory: bool = True):
         super().__init__(name)
         self.pin_memory = pin_memory
-        self._device_type = "cpu"
         self._host_bytes = 0
+        self._recorder = None
+        self._params = frozenset()
+
+    def _pack(self, t):
+        if t.device.type == "cpu" or storage_key(t) in self._params or isinstance(t, torch.nn.Parameter):
+            return (None, t.detach()) if self._recorder is None else (None, self._recorder._pack(t))
+        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout,
+                           pin_memory=self.pin_memory and torch.cuda.is_available())
+        host.copy_(t, non_blocking=self.pin_memory)
+        self._host_bytes += t.numel() * t.element_size()
+        if self._recorder is not None:
+            self._recorder.fp_only(t)
+        return (t.device, host)
+
+    @staticmethod
+    def _unpack(packed):
+        if not isinstance(packed, tuple):
+            return packed
+        device, t = packed
+        return t if device is None else t.to(device, non_blocking=True)
 
     def prepare(self, model):
         params = list(model.parameters())
-        self._device_type = params[0].device.type if params else "cpu"
-        if self._device_type == "cpu":
+        if not params or params[0].device.type == "cpu":
             self.notes = ["swap is a no-op on CPU: activations already live in host memory"]
-            return model
+        else:
+            self.notes = ["saved activations live in pinned host memory; act_mem_bytes counts device bytes only, "
+                          "act_mem_host_bytes what went to the host"]
         state = {}
 
         def enter(mod, args):
-            if mod.training and torch.is_grad_enabled():
-                ctx = torch.autograd.graph.save_on_cpu(pin_memory=self.pin_memory)
-                to_host = ctx.pack_hook
+            if self.enabled and mod.training and torch.is_grad_enabled():
                 self._host_bytes = 0
-
-                def pack(t):
-                    packed = to_host(t)
-                    if not isinstance(t, torch.nn.Parameter):
-                        self._host_bytes += t.numel() * t.element_size()
-                    return packed
-                ctx.pack_hook = pack
+                self._params = parameter_storages(mod)
+                ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
                 state["ctx"] = ctx
                 ctx.__enter__()
 
@@ -120,9 +136,17 @@ class Swap(Method):
                 ctx.__exit__(None, None, None)
         model.register_forward_pre_hook(enter)
         model.register_forward_hook(leave)
-        self.notes = ["saved activations live in pinned host memory; act_mem_bytes counts device bytes only, "
-                      "act_mem_host_bytes what went to the host"]
         return model
+
+    @contextlib.contextmanager
+    def accounting(self, model=None):
+        """The swap hooks are innermost, so they report to this step's recorder themselves."""
+        with super().accounting(model) as acc:
+            self._recorder = acc.recorder
+            try:
+                yield acc
+            finally:
+                self._recorder = None
 
     def host_bytes(self) -> int:
         return self._host_bytes
