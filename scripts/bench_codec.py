@@ -1,15 +1,18 @@
-"""Codec speed: DIVISION encode and decode on ResNet-50-shaped activations, compiled kernel vs the PyTorch
-reference path. Prints elements per second; a measurement, not a test.
+"""Codec speed: DIVISION (and BLPA's per-layer quantizer) encode and decode on ResNet-50-shaped
+activations, compiled kernel vs the pure-PyTorch reference path. Prints elements per second and writes them
+with provenance to results/codec/codec_<device>.json; a measurement, not a test.
 
     python scripts/bench_codec.py --batch 8 --repeats 5
 """
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
-from division.codecs import DivisionCodec
+from division import results
+from division.codecs import BlpaCodec, DivisionCodec
 
 SHAPES = [(256, 56, 56), (64, 112, 112), (1024, 14, 14), (2048, 7, 7)]  # channels, height, width
 
@@ -29,22 +32,41 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--bits", type=int, default=2)
     p.add_argument("--block", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--out", default=str(results.ROOT / "results" / "codec" / "codec_cpu.json"))
     args = p.parse_args(argv)
     print(f"threads {torch.get_num_threads()}, batch {args.batch}, {args.bits}-bit HFC, block {args.block}; "
           "median of", args.repeats)
-    print(f"{'shape':>16} {'backend':>9} {'encode ms':>10} {'Gelem/s':>8} {'decode ms':>10} {'Gelem/s':>8}")
+    print(f"{'codec':>8} {'shape':>18} {'backend':>9} {'encode ms':>10} {'Gelem/s':>8} {'decode ms':>10} {'Gelem/s':>8}")
     torch.manual_seed(0)
+    rows = []
     for c, h, w in SHAPES:
         x = torch.randn(args.batch, c, h, w)
-        for backend in ("compiled", "reference"):
-            codec = DivisionCodec(args.block, args.bits, backend=backend)
-            packed = codec.encode(x)
-            enc = timed(lambda: codec.encode(x), args.repeats)
-            dec = timed(packed.decode, args.repeats)
-            print(f"{str((args.batch, c, h, w)):>16} {backend:>9} {enc * 1e3:10.1f} {x.numel() / enc / 1e9:8.2f} "
-                  f"{dec * 1e3:10.1f} {x.numel() / dec / 1e9:8.2f}", flush=True)
-
+        y = torch.empty_like(x)
+        copy = timed(lambda: y.copy_(x), args.repeats)
+        rows.append({"codec": "copy_", "shape": [args.batch, c, h, w], "backend": "torch",
+                     "encode_ms": copy * 1e3, "encode_gelem_s": x.numel() / copy / 1e9})
+        print(f"{'copy_':>8} {str((args.batch, c, h, w)):>18} {'torch':>9} {copy * 1e3:10.1f} "
+              f"{x.numel() / copy / 1e9:8.2f}", flush=True)
+        for name, make in (("division", lambda b: DivisionCodec(args.block, args.bits, backend=b)),
+                           ("blpa", lambda b: BlpaCodec(4, backend=b))):
+            if name == "blpa" and (c, h, w) != SHAPES[0]:
+                continue
+            for backend in ("compiled", "reference"):
+                codec = make(backend)
+                packed = codec.encode(x)
+                enc = timed(lambda: codec.encode(x), args.repeats)
+                dec = timed(packed.decode, args.repeats)
+                rows.append({"codec": name, "shape": [args.batch, c, h, w], "backend": packed.backend,
+                             "encode_ms": enc * 1e3, "encode_gelem_s": x.numel() / enc / 1e9,
+                             "decode_ms": dec * 1e3, "decode_gelem_s": x.numel() / dec / 1e9})
+                r = rows[-1]
+                print(f"{name:>8} {str(tuple(r['shape'])):>18} {r['backend']:>9} {r['encode_ms']:10.1f} "
+                      f"{r['encode_gelem_s']:8.2f} {r['decode_ms']:10.1f} {r['decode_gelem_s']:8.2f}", flush=True)
+    results.write_json(Path(args.out), {"status": "ok", "threads": torch.get_num_threads(), "bits": args.bits,
+                                        "block": args.block, "repeats": args.repeats, "rows": rows,
+                                        **results.provenance(torch.device("cpu"))})
+    print(f"wrote {results.relative_to_root(args.out)}")
 
 if __name__ == "__main__":
     main()

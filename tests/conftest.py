@@ -9,6 +9,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = str(ROOT / "configs")
 sys.path.insert(0, str(ROOT / "src"))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+if not torch.cuda.is_available():
+    # the Triton kernels run under Triton's interpreter on CPU tensors (set before they are first imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def compose(overrides=(), config_name="train"):

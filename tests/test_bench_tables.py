@@ -112,3 +112,15 @@ def test_tables_from_fixtures(tmp_path):
     for name in ("memory_cpu.csv", "memory_cpu.tex", "throughput.md", "throughput.png", "memory_cpu.png",
                  "accuracy_curves_cifar10_resnet20_cpu.png"):
         assert (tables / name).exists(), name
+
+
+def test_gpu_check_dry_run_composes_every_command():
+    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--dry-run"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("ok   ") == 4
+
+
+def test_max_batch_below_the_start():
+    assert find_max_batch(lambda b: b <= 5, start=32) == 5
+    assert find_max_batch(lambda b: False, start=8) == 0

@@ -239,10 +239,8 @@ def test_swap_on_cpu_accounts_like_fp_and_obeys_bypass():
         with method.accounting(model) as acc:
             F.cross_entropy(model(x), y).backward()
         held[kind] = (ref.act_bytes, acc.report.held_bytes, acc.report.host_bytes)
-        for h in list(model._forward_pre_hooks), list(model._forward_hooks):
-            pass
-        model._forward_pre_hooks.clear()
-        model._forward_hooks.clear()
+        method.remove(model)
+        assert not model._forward_pre_hooks and not model._forward_hooks
     assert held["swap"] == held["fp"] and held["fp"][0] == held["fp"][1] > 0 and held["swap"][2] == 0
 
 

@@ -69,7 +69,8 @@ def _forward(model, x, y, state: StepState):
 def train_step(model: nn.Module, method, x, y, optimizer, scheduler, state: StepState,
                account: bool = False) -> StepOutput:
     """The one training step (forward, backward, clip, update, schedule) that the runner, the benchmark and
-    the max-batch finder all use. ``account``: the method records what the forward holds for backward."""
+    the max-batch finder all use. ``account``: the method records what the forward holds for backward.
+    It makes no host synchronisation of its own on CUDA beyond the timing's (the caller reads the loss)."""
     synchronize(state.device)
     t0 = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
@@ -80,8 +81,6 @@ def train_step(model: nn.Module, method, x, y, optimizer, scheduler, state: Step
             logits, loss = forward()
     else:
         logits, loss = forward()
-    if not torch.isfinite(loss):
-        raise FloatingPointError(f"loss is {loss.item()} at step {state.global_step}")
     if state.scaler is not None:
         state.scaler.scale(loss).backward()
         state.scaler.unscale_(optimizer)
@@ -163,7 +162,10 @@ def train_one_epoch(model: nn.Module, method, loader, optimizer, scheduler, stat
         else:
             compute_time += out.seconds
             timed_images += n
-        loss_sum += out.loss.item() * n
+        loss_value = out.loss.item()  # the one host synchronisation of a step, for bookkeeping
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"loss is {loss_value} at epoch {epoch}, step {state.global_step}")
+        loss_sum += loss_value * n
         correct += (out.logits.argmax(1) == y).sum().item()
         seen += n
         steps += 1

@@ -26,12 +26,13 @@ def parse_bytes(text: str) -> int:
 
 def find_max_batch(fits: Callable[[int], bool], start: int = 1, limit: int = 1 << 16) -> int:
     """Largest b in [0, limit] with fits(b), assuming fits is monotone (True up to some b*, then False)."""
-    if not fits(start):
-        return 0
-    lo, hi = start, start * 2
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
+    if fits(start):
+        lo, hi = start, start * 2
+        while hi <= limit and fits(hi):
+            lo, hi = hi, hi * 2
+        hi = min(hi, limit + 1)
+    else:  # below the start: bisect [0, start)
+        lo, hi = 0, start
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if fits(mid):
@@ -41,8 +42,8 @@ def find_max_batch(fits: Callable[[int], bool], start: int = 1, limit: int = 1 <
     return lo
 
 
-def main(argv=None):
-    from division.bench import ROOT, parse as bench_parse, run_one_subprocess
+def parse(argv=None):
+    from division.bench import ROOT
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="resnet50")
     p.add_argument("--methods", default="fp,division")
@@ -50,10 +51,16 @@ def main(argv=None):
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--device", default="auto")
     p.add_argument("--limit", type=int, default=4096)
+    p.add_argument("--start", type=int, default=1, help="first batch tried (doubling from there)")
     p.add_argument("--out", default=str(ROOT / "results" / "max_batch"))
     p.add_argument("--glibc-default", action="store_true",
                    help="keep glibc's default malloc (its cached free memory then inflates the CPU peak)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    from division.bench import parse as bench_parse, run_one_subprocess
+    args = parse(argv)
     budget = parse_bytes(args.budget)
     out = Path(args.out)
     for method in args.methods.split(","):
@@ -74,7 +81,7 @@ def main(argv=None):
             tried[batch] = used
             print(f"  {method} batch {batch}: {'oom/error' if used is None else f'{used / 2**20:.0f} MiB'}", flush=True)
             return used is not None and used <= budget
-        best = find_max_batch(fits, 1, args.limit)
+        best = find_max_batch(fits, args.start, args.limit)
         results.write_json(path, {"status": "ok", "model": args.model, "method": method, "budget": args.budget,
                                   "budget_bytes": budget, "max_batch": best, "probes": tried,
                                   "malloc_mmap_threshold": None if args.glibc_default else 65536,

@@ -8,7 +8,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from division import data as data_lib
-from division import dist, engine, loggers, methods, models, results
+from division import api, dist, engine, loggers, models, results
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
 
@@ -96,8 +96,8 @@ def run(cfg: DictConfig) -> dict:
     model = model.to(device)
     if cfg.trainer.get("channels_last"):
         model = model.to(memory_format=torch.channels_last)
-    method = methods.build(cfg.method)
-    method.prepare(model)
+    options = {k: v for k, v in OmegaConf.to_container(cfg.method, resolve=True).items() if k != "name"}
+    method = api.prepare(model, str(cfg.method.name), measure=False, **options).method
     train_model = model
     if info.enabled:
         train_model = torch.nn.parallel.DistributedDataParallel(

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from division.codecs.quant import (BACKENDS, Bf16Copy, Packed, QuantizedTensor, check_backend, check_bits,
-                                   encode_maps_compiled, kernel_library, quantize_per_row)
+                                   encode_maps_compiled, kernel_library, quantize_per_row, quantize_rows_triton,
+                                   use_triton)
 
 LFC_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -93,7 +94,7 @@ class DivisionPacked(Packed):
 
     @property
     def backend(self) -> str:
-        return "compiled" if self.compiled else "reference"
+        return "compiled" if self.compiled else self.hfc.backend
 
     def tensors(self):
         return [self.lfc, *self.hfc.tensors(), self.bad_index, self.bad_value]
@@ -102,6 +103,8 @@ class DivisionPacked(Packed):
         n, c, h, w = self.shape
         if self.compiled:
             return _decode_compiled(self).to(self.dtype)
+        if self.hfc.backend == "triton":
+            return self.hfc.decode(self.dtype, self.lfc, (h, w), self.block_hw).view(n, c, h, w)
         x = self.hfc.decode(torch.float32).view(n, c, h, w)
         add_blocks_(x, self.lfc, self.block_hw)
         if self.bad_index is not None:
@@ -135,6 +138,11 @@ class DivisionCodec:
         block_hw = lfc_blocks(h, w, self.block_size)
         if h * w == 1 or x.numel() < self.min_numel or self.map_nbytes(h, w) >= 2 * h * w:
             return Bf16Copy.encode(x)
+        if use_triton(x, self.backend):
+            lfc = self._lfc(x, block_hw)  # in x's dtype (no fp32 copy); a NaN or Inf flags its map on the device
+            q = quantize_rows_triton(x.reshape(n * c, h * w), self.hfc_bits, self.stochastic, lfc=lfc,
+                                     map_hw=(h, w), block_hw=block_hw)
+            return DivisionPacked(lfc, q, block_hw, x.shape, x.dtype)
         lib = self._compiled_library(x)
         if lib is not None:
             packed = _encode_compiled(lib, x, block_hw, self.hfc_bits, self.stochastic)

@@ -12,20 +12,34 @@ import torch
 from division.codecs.packing import pack_bits, packed_nbytes, unpack_bits
 
 VALID_BITS = (1, 2, 4, 8)
-BACKENDS = ("auto", "reference", "compiled")
+BACKENDS = ("auto", "reference", "compiled", "triton")
 
 
 def check_backend(backend) -> str:
-    """``auto``: the compiled CPU kernel where it applies, else PyTorch; ``reference``: pure PyTorch;
-    ``compiled``: the CPU kernel, an error if it cannot be built (tensors it cannot take still use PyTorch)."""
+    """``auto``: Triton kernels for CUDA tensors, the compiled C kernel for CPU tensors, else PyTorch;
+    ``reference``: pure PyTorch; ``compiled``: the CPU kernel, an error if it cannot be built; ``triton``: the
+    Triton kernels (CUDA, or any device under TRITON_INTERPRET=1). Tensors a kernel cannot take use PyTorch."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is invalid; valid choices: {list(BACKENDS)}")
     return backend
 
 
+def use_triton(t: torch.Tensor, backend: str) -> bool:
+    """Whether the Triton kernels serve ``t`` under ``backend``."""
+    if backend not in ("auto", "triton") or (backend == "auto" and t.device.type != "cuda"):
+        return False
+    from division.kernels import triton_codecs
+    if triton_codecs.available(t.device):
+        return True
+    if backend == "triton":
+        raise RuntimeError(f"backend='triton' but Triton cannot run on {t.device} (it needs CUDA, or "
+                           "TRITON_INTERPRET=1 for the interpreter); use backend=auto")
+    return False
+
+
 def kernel_library(backend: str):
     """The compiled library if ``backend`` allows it and it is available, else None."""
-    if backend == "reference":
+    if backend in ("reference", "triton"):
         return None
     from division import kernels
     lib = kernels.library()
@@ -91,12 +105,18 @@ class QuantizedTensor(Packed):
     bad_index: Optional[torch.Tensor] = None
     bad_value: Optional[torch.Tensor] = None
     backend: str = "reference"
+    bad_rows: Optional[torch.Tensor] = None  # Triton: int8 per row, set where the row held NaN or Inf
     kind = "quantized"
 
     def tensors(self):
-        return [self.packed, self.minimum, self.scale, self.bad_index, self.bad_value]
+        return [self.packed, self.minimum, self.scale, self.bad_index, self.bad_value, self.bad_rows]
 
-    def decode(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    def decode(self, dtype: Optional[torch.dtype] = None, lfc=None, map_hw=None, block_hw=None) -> torch.Tensor:
+        if self.backend == "triton":
+            from division.kernels import triton_codecs
+            out = triton_codecs.decode_rows(self.packed, self.minimum, self.scale, self.bad_rows, self.rows,
+                                            self.row_len, self.bits, lfc, map_hw, block_hw)
+            return out.to(dtype or self.dtype)
         codes = unpack_bits(self.packed, self.bits, self.rows * self.row_len).view(self.rows, self.row_len)
         x = codes.float().mul_(self.scale.unsqueeze(1)).add_(self.minimum.unsqueeze(1))
         if self.bad_index is not None:
@@ -114,6 +134,11 @@ def quantize_per_row(x2d: torch.Tensor, bits: int, stochastic: bool = True,
     statistics; values outside them are clamped (BLPA's per-layer range uses this).
     """
     rows, row_len = x2d.shape
+    if use_triton(x2d, check_backend(backend)):
+        if minimum is None and maximum is None:
+            return quantize_rows_triton(x2d, bits, stochastic, generator)
+        if minimum.numel() == 1 and maximum.numel() == 1:
+            return quantize_rows_triton(x2d, bits, stochastic, generator, fixed_range=(minimum, maximum))
     if x2d.device.type == "cpu" and x2d.dtype in (torch.float32, torch.bfloat16):
         lib = kernel_library(check_backend(backend))
         if lib is not None:
@@ -121,6 +146,16 @@ def quantize_per_row(x2d: torch.Tensor, bits: int, stochastic: bool = True,
             if fast is not None:
                 return fast
     return quantize_rows_reference(x2d, bits, stochastic, minimum, maximum, generator)
+
+
+def quantize_rows_triton(x2d, bits, stochastic=True, generator=None, lfc=None, map_hw=None, block_hw=None,
+                         fixed_range=None):
+    """The Triton kernel (division/kernels/triton_codecs.py): no host synchronisation."""
+    from division.kernels import triton_codecs
+    rows, row_len = x2d.shape
+    packed, mn, scale, bad = triton_codecs.encode_rows(x2d, rows, row_len, bits, stochastic, lfc, map_hw, block_hw,
+                                                       generator, fixed_range)
+    return QuantizedTensor(packed, mn, scale, bits, rows, row_len, x2d.dtype, backend="triton", bad_rows=bad)
 
 
 def quantize_rows_reference(x2d, bits, stochastic=True, minimum=None, maximum=None, generator=None):
@@ -232,7 +267,10 @@ class BitMask(Packed):
 
     @classmethod
     def positive(cls, y: torch.Tensor, backend: str = "auto") -> "BitMask":
-        """The mask ``y > 0`` (ReLU's), packed in one pass by the compiled kernel where it applies."""
+        """The mask ``y > 0`` (ReLU's), packed in one pass by a kernel where one applies."""
+        if y.is_floating_point() and use_triton(y, backend):
+            from division.kernels import triton_codecs
+            return cls(triton_codecs.mask_positive(y), y.shape, "triton")
         lib = _float_kernel(y, backend)
         if lib is None:
             return cls.encode(y > 0)
@@ -243,6 +281,9 @@ class BitMask(Packed):
 
     def apply(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` where the mask is set, 0 elsewhere (with the backend that made the mask)."""
+        if self.backend == "triton":
+            from division.kernels import triton_codecs
+            return triton_codecs.mask_apply(t, self.packed)
         lib = _float_kernel(t, self.backend) if self.backend == "compiled" else None
         if lib is None:
             return torch.where(self.decode().view(t.shape), t, torch.zeros((), dtype=t.dtype, device=t.device))

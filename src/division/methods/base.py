@@ -63,6 +63,16 @@ class Method:
         """Install the method on ``model`` (in place) and return it."""
         return model
 
+    def remove(self, model: nn.Module) -> nn.Module:
+        """Undo ``prepare``: hooks removed, modules' own forwards back."""
+        for h in getattr(self, "_handles", []):
+            h.remove()
+        self._handles = []
+        for m in model.modules():
+            m.__dict__.pop("forward", None)
+        self.covered = []
+        return model
+
     def policy_records(self):
         return []
 

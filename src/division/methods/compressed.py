@@ -33,6 +33,11 @@ class PolicyMethod(Method, metaclass=ABCMeta):
         self.covered = compress.install(model, self.policy)
         return model
 
+    def remove(self, model: nn.Module) -> nn.Module:
+        compress.remove(model)
+        self.covered = []
+        return model
+
     def policy_records(self):
         return self.policy.records
 

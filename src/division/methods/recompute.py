@@ -65,7 +65,7 @@ class Checkpoint(Method):
                 return checkpoint(_plain, self, x, use_reentrant=False, context_fn=ctx)
             seg.forward = types.MethodType(forward, seg)
             self.covered.append(type(seg).__name__)
-        model.register_forward_pre_hook(begin)
+        self._handles = [model.register_forward_pre_hook(begin)]
         self.notes = [f"{len(segments)} {self.granularity} segments recomputed in backward; held = their inputs "
                       "plus what autograd keeps outside them"]
         return model
@@ -134,8 +134,7 @@ class Swap(Method):
             ctx = state.pop("ctx", None)
             if ctx is not None:
                 ctx.__exit__(None, None, None)
-        model.register_forward_pre_hook(enter)
-        model.register_forward_hook(leave)
+        self._handles = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
         return model
 
     @contextlib.contextmanager

@@ -1,0 +1,119 @@
+"""The library API: activation compression in one's own training loop, no Hydra needed.
+
+    import division
+    handle = division.prepare(model, method="division", block_size=8, hfc_bits=2)
+    for x, y in loader:
+        loss = F.cross_entropy(model(x), y)   # the first training forward is accounted
+        loss.backward(); opt.step(); opt.zero_grad()
+    print(handle.memory_report().table(top=10))
+    handle.remove()                            # or: with division.prepare(model) as handle: ...
+
+The runner (``division.train``) goes through the same call.
+"""
+import contextlib
+from typing import Optional
+
+import torch.nn as nn
+
+from division import methods
+from division.memory import MemoryReport
+
+
+class Handle:
+    """A method installed on a model. The next training forward after ``prepare`` (or ``measure_next()``)
+    is accounted: ``memory_report()`` then returns what it held for backward, with the full-precision
+    equivalent measured on the same inputs (the method bypassed, nothing kept alive)."""
+
+    def __init__(self, model: nn.Module, method: methods.Method, config: dict):
+        self.model, self.method, self.config = model, method, config
+        self._report: Optional[MemoryReport] = None
+        self._armed = False
+        self._busy = False
+        self._context = None
+        self._hooks = []
+
+    def measure_next(self, fp_reference: bool = True) -> "Handle":
+        """Account the next training forward of the model (and measure its full-precision equivalent)."""
+        if not self._hooks:
+            self._hooks = [self.model.register_forward_pre_hook(self._begin, with_kwargs=True),
+                           self.model.register_forward_hook(self._end)]
+        self._armed, self._fp_reference = True, fp_reference
+        return self
+
+    def _begin(self, module, args, kwargs):
+        if not (self._armed and not self._busy and module.training and self.method.enabled):
+            return None
+        import torch
+        if not torch.is_grad_enabled():
+            return None
+        self._busy = True
+        try:
+            fp = self.method.fp_reference(module, lambda: module(*args, **kwargs)) if self._fp_reference else None
+        finally:
+            self._busy = False
+        self._fp = fp
+        self._context = self.method.accounting(module)
+        self._accounting = self._context.__enter__()
+        return None
+
+    def _end(self, module, args, output):
+        if self._context is None or self._busy:
+            return None
+        self._context.__exit__(None, None, None)
+        self._context, self._armed = None, False
+        report = self._accounting.report
+        if self._fp is not None:
+            report.fp_bytes = self._fp.act_bytes
+            report.amp_weight_cast_bytes = max(report.amp_weight_cast_bytes, self._fp.amp_weight_cast_bytes)
+        self._report = report
+        return None
+
+    def memory_report(self) -> Optional[MemoryReport]:
+        """The report of the last accounted training forward (None before one ran). It counts what the
+        model's forward holds; a loss computed outside the model adds a few bytes more."""
+        return self._report
+
+    @contextlib.contextmanager
+    def accounting(self):
+        """Account exactly the forward inside the block (loss included); ``acc.report`` afterwards."""
+        with self.method.accounting(self.model) as acc:
+            yield acc
+
+    def remove(self) -> nn.Module:
+        """Uninstall the method: the model's own forwards come back; parameters were never touched."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.method.remove(self.model)
+        return self.model
+
+    def __enter__(self) -> "Handle":
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+        return False
+
+    def __repr__(self):
+        return f"Handle(method={self.method.name!r}, covered={len(self.method.covered)} modules)"
+
+
+def prepare(model: nn.Module, method: str = "division", measure: bool = True, **options) -> Handle:
+    """Install ``method`` (a name from ``configs/method/``, with that file's defaults) on ``model`` in place.
+    ``options`` override the defaults (``block_size=4``, ``hfc_bits=4``, ``backend="reference"``...); a bad
+    name or value raises ValueError naming the valid choices."""
+    config = methods.load_config(method)
+    unknown = sorted(set(options) - set(config) - {"name"})
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} for method {method!r}; valid options: "
+                         f"{sorted(k for k in config if k not in ('name', 'kind'))}")
+    config.update(options)
+    m = methods.build(config)
+    m.prepare(model)
+    handle = Handle(model, m, config)
+    if measure:
+        handle.measure_next()
+    return handle
+
+
+__all__ = ["prepare", "Handle"]

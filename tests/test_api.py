@@ -1,0 +1,67 @@
+"""The library API, through the README's own example (run as written, in a plain loop, on CPU)."""
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import division
+from conftest import ROOT
+from division.models import create_model
+
+
+def readme_example() -> str:
+    text = (ROOT / "README.md").read_text()
+    return re.search(r"<!-- api-example -->\s*```python\n(.*?)```", text, re.S).group(1)
+
+
+def test_readme_example_trains_and_reports(capsys):
+    """Exactly the README's code, given a loader of 20 batches (one fixed batch, so the loss must fall):
+    it prints the held bytes, which equal an independent accounting of the same forward."""
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
+    losses = []
+    loader = [(x, y)] * 20
+    namespace = {"loader": loader}
+    code = readme_example().replace("opt.step()", "opt.step(); losses.append(loss.item())")
+    namespace["losses"] = losses
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert losses[-1] < 0.5 * losses[0], losses
+    report = namespace["report"]
+    assert "MiB held" in capsys.readouterr().out
+    model = namespace["model"]
+    assert "forward" not in model.conv1.__dict__  # handle.remove() gave the modules their own forward back
+    again = division.prepare(model, method="division", measure=False)
+    with again.accounting() as acc:
+        model(x)
+    assert acc.report.held_bytes == report.held_bytes
+    assert report.fp_bytes > 8 * report.held_bytes
+
+
+def test_prepare_options_and_context_manager():
+    model = create_model("resnet20")
+    with division.prepare(model, method="actnn", bits=4) as handle:
+        assert handle.method.codec.bits == 4 and handle.memory_report() is None
+        F.cross_entropy(model(torch.randn(4, 3, 32, 32)), torch.randint(0, 10, (4,))).backward()
+        first = handle.memory_report()
+        assert first is not None and first.ratio > 4
+        model(torch.randn(4, 3, 32, 32))  # later forwards are not accounted unless asked
+        assert handle.memory_report() is first
+    assert "forward" not in model.conv1.__dict__
+    with pytest.raises(ValueError, match="unknown option"):
+        division.prepare(create_model("resnet20"), method="division", blocksize=4)
+    with pytest.raises(ValueError, match="valid choices"):
+        division.prepare(create_model("resnet20"), method="divison")
+
+
+def test_prepare_under_autocast_and_timm():
+    torch.manual_seed(0)
+    model = create_model("vit_cifar")
+    handle = division.prepare(model, method="division")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(torch.randn(2, 3, 32, 32)), torch.randint(0, 10, (2,)))
+    loss.backward()
+    report = handle.memory_report()
+    assert report.ratio > 2  # bf16 activations halve the baseline; the weights' bf16 copies are apart
+    assert report.amp_weight_cast_bytes > 0
+    assert all(p.grad is not None for p in model.parameters())

@@ -1,0 +1,116 @@
+"""The Triton kernels (the CUDA path) against the pure-PyTorch reference. Without a GPU they run under
+Triton's interpreter on CPU tensors (tests/conftest.py sets TRITON_INTERPRET=1), on small shapes."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from division.codecs import BitMask, BlpaCodec, DivisionCodec, GroupwiseCodec, PerChannelCodec
+from division.codecs.tokens import ChannelCodec
+from division.kernels import triton_codecs
+
+pytestmark = pytest.mark.skipif(not triton_codecs.available(torch.device("cuda" if torch.cuda.is_available()
+                                                                          else "cpu")),
+                                reason="Triton is not installed")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+CODECS = {
+    "division": lambda b, bits=2: DivisionCodec(hfc_bits=bits, backend=b),
+    "division_b4": lambda b, bits=2: DivisionCodec(block_size=4, hfc_bits=bits, backend=b),
+    "per_channel": lambda b, bits=2: PerChannelCodec(bits=bits, backend=b),
+    "groupwise": lambda b, bits=2: GroupwiseCodec(bits=bits, group_size=64, backend=b),
+    "blpa": lambda b, bits=4: BlpaCodec(bits=bits, backend=b),
+    "mesa": lambda b, bits=8: ChannelCodec(bits=bits, backend=b),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+@pytest.mark.parametrize("shape", [(2, 3, 16, 16), (1, 5, 7, 7), (2, 3, 13, 17)])
+def test_triton_matches_reference_statistics(name, shape):
+    """Same layout, sizes that differ only by the one-byte-per-row flag, unbiased over many draws where
+    rounding is stochastic, and a mean squared error within 5 % of the reference's."""
+    torch.manual_seed(0)
+    x = torch.randn(shape, device=DEVICE)
+    ref_codec, tri_codec = CODECS[name]("reference"), CODECS[name]("triton")
+    ref, tri = ref_codec.encode(x), tri_codec.encode(x)
+    if ref.kind == "bf16":
+        pytest.skip("held in bf16: no codec runs")
+    assert tri.backend == "triton" and ref.backend == "reference"
+    flags = sum(t.numel() for t in tri.tensors() if t is not None and t.dtype == torch.int8)
+    assert tri.nbytes() == ref.nbytes() + flags
+    draws = 30  # the interpreter runs a program per row in Python: few draws, but of whole tensors
+    errs = {}
+    for tag, codec in (("ref", ref_codec), ("tri", tri_codec)):
+        decoded = [codec.encode(x).decode() for _ in range(draws)]
+        assert decoded[0].shape == x.shape and decoded[0].dtype == x.dtype
+        errs[tag] = sum((d - x).pow(2).mean() for d in decoded).item() / draws
+        if codec.stochastic:
+            mean = sum(decoded) / draws
+            assert (mean - x).pow(2).mean().sqrt() < 4 * math.sqrt(errs[tag] / draws)
+    assert abs(errs["tri"] - errs["ref"]) <= 0.05 * errs["ref"] + 1e-7, errs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_half_precision_inputs(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 12, 12, device=DEVICE).to(dtype)
+    p = DivisionCodec(hfc_bits=4, backend="triton").encode(x)
+    y = p.decode()
+    assert y.dtype == dtype and y.shape == x.shape
+    step = p.hfc.scale.view(2, 4, 1, 1)
+    assert ((y.float() - x.float()).abs() <= step * 1.01 + 0.02 * x.float().abs() + 1e-2).all()
+
+
+def test_triton_flags_nonfinite_maps_without_a_host_sync():
+    """A map holding NaN or Inf is flagged on the device and decodes as NaN; every other map is untouched."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8, device=DEVICE)
+    x[0, 1, 2, 2] = float("nan")
+    x[1, 2, 5, 5] = float("inf")
+    for codec in (DivisionCodec(backend="triton"), PerChannelCodec(backend="triton")):
+        y = codec.encode(x).decode()
+        bad = torch.zeros(2, 3, dtype=torch.bool)
+        bad[0, 1] = bad[1, 2] = True
+        per_map = torch.isnan(y).flatten(2).all(2).cpu()
+        assert torch.equal(per_map, bad)
+        assert torch.isfinite(y[~bad.to(y.device)]).all()
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 29, 1024 + 3])
+def test_triton_relu_mask_exact(n):
+    torch.manual_seed(0)
+    y = torch.randn(n, device=DEVICE)
+    y[0] = float("nan")
+    if n > 2:
+        y[1], y[2] = -0.0, 0.0
+    tri, ref = BitMask.positive(y, "triton"), BitMask.encode(y > 0)
+    assert tri.backend == "triton" and torch.equal(tri.packed, ref.packed)
+    g = torch.randn(n, device=DEVICE)
+    assert torch.equal(tri.apply(g), torch.where(y > 0, g, torch.zeros((), device=DEVICE)))
+
+
+def test_training_step_on_the_triton_path():
+    """Every compressing method trains a step with backend=triton; the report says which backend ran."""
+    import torch.nn as nn
+    from division.methods import build
+    for name in ("division", "actnn", "blpa"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2),
+                              nn.Conv2d(4, 6, 3), nn.BatchNorm2d(6), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                              nn.Flatten(), nn.Linear(6, 10)).to(DEVICE)
+        method = build({"name": name, "backend": "triton"})
+        method.prepare(model)
+        x, y = torch.randn(2, 3, 16, 16, device=DEVICE), torch.randint(0, 10, (2,), device=DEVICE)
+        with method.accounting(model) as acc:
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        assert torch.isfinite(loss)
+        assert set(acc.report.backends) == {"triton"}, acc.report.backends
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_triton_backend_without_triton_device_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(triton_codecs, "available", lambda device: False)
+    with pytest.raises(RuntimeError, match="backend='triton'"):
+        DivisionCodec(backend="triton").encode(torch.randn(1, 2, 8, 8))
