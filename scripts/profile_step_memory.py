@@ -1,5 +1,6 @@
-"""Per-phase memory profile of one training step: resident memory (CPU) or allocated memory (CUDA) after
-every leaf module's forward and backward, to see what sets a method's peak.
+"""Per-phase memory profile of one training step (the second, when the optimizer state exists): resident
+memory (CPU, glibc returning freed blocks) or allocated memory (CUDA) after every leaf module's forward and
+once its output's gradient exists, and where the step's peak rose, to see what sets a method's peak.
 
     python scripts/profile_step_memory.py --model resnet50 --method division --batch 32 [--out FILE]
 """
@@ -30,6 +31,8 @@ def profile(model_name, method_spec, batch, image_size, num_classes=1000, device
     y = torch.randint(0, num_classes, (batch,), device=device)
     state = engine.StepState(device)
     phases.append(("inputs", meter.current()))
+    engine.train_step(model, method, x, y, opt, None, state)  # the optimizer state exists from here on
+    phases.append(("after a first step (optimizer state)", meter.current()))
     trace = []
     for name, m in model.named_modules():
         if next(m.children(), None) is None:
@@ -42,10 +45,9 @@ def profile(model_name, method_spec, batch, image_size, num_classes=1000, device
             out.register_hook(lambda g: trace.append(("bwd after " + name, meter.current(), meter.peak())))
     meter.reset()
     engine.train_step(model, method, x, y, opt, None, state, account=True)
-    peak1 = meter.peak()
-    phases.append(("after step 1 (optimizer state created)", meter.current()))
-    trace_first = list(trace)
-    return phases, trace_first, peak1
+    peak = meter.peak()
+    phases.append(("after the profiled step", meter.current()))
+    return phases, trace, peak
 
 
 def main(argv=None):
@@ -62,12 +64,16 @@ def main(argv=None):
     mib = 2 ** 20
     lines = [f"{args.model} {args.method} batch {args.batch} {args.image_size}x{args.image_size} on {args.device}"]
     lines += [f"  {name:42s} {v / mib:9.1f} MiB" for name, v in phases]
-    lines.append(f"  peak of step 1 {peak / mib:9.1f} MiB")
-    fwd_end = next((v for n, v in reversed(trace) if n.startswith("fwd")), 0)
+    lines.append(f"  peak of the profiled step {peak / mib:9.1f} MiB")
+    fwd_end = next((v for n, v, _ in reversed(trace) if n.startswith("fwd")), 0)
     lines.append(f"  end of forward {fwd_end / mib:9.1f} MiB")
-    lines.append("  highest points during the step:")
-    for name, v in sorted(trace, key=lambda t: -t[1])[:args.top]:
-        lines.append(f"    {name:50s} {v / mib:9.1f} MiB")
+    lines.append("  where the peak rose (resident memory at the hook, peak so far, rise of the peak):")
+    rises, last = [], phases[-2][1]
+    for name, current, peak_so_far in trace:
+        rises.append((peak_so_far - last, name, current, peak_so_far))
+        last = max(last, peak_so_far)
+    for rise, name, current, peak_so_far in sorted(rises, reverse=True)[:args.top]:
+        lines.append(f"    {name:46s} {current / mib:8.1f} {peak_so_far / mib:8.1f} {rise / mib:+8.1f} MiB")
     print("\n".join(lines))
     if args.out:
         results.write_json(args.out, {"model": args.model, "method": args.method, "batch": args.batch,
