@@ -215,7 +215,8 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
                                        "The paper's published top-1 accuracy (GPU, full recipes): "
                                        + paper.get("source", ""))
     _plot_accuracy_curves(ok, out / f"accuracy_curves_{experiment}.png", experiment)
-    return [text]
+    paired = paired_table(ok, out, experiment)
+    return [text] + paired
 
 
 def max_batch_table(records, out: Path):
@@ -283,6 +284,58 @@ def _plot_throughput(ok, path):
         ax.set_ylabel("images / s")
         ax.legend(fontsize=7)
     _save(plt, fig, path)
+
+
+# two-sided 95 % quantiles of Student's t by degrees of freedom (beyond 30: the normal 1.96)
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+        20: 2.086, 25: 2.060, 30: 2.042}
+
+
+def t975(dof: int) -> float:
+    return T975.get(dof) or (T975[max(k for k in T975 if k <= dof)] if dof <= 30 else 1.96)
+
+
+def paired_differences(ok, method: str, baseline: str):
+    """Per-seed top-1 differences method - baseline over the seeds both have (paired by seed), their mean and
+    95 % t interval (n-1 degrees of freedom); None where fewer than two pairs exist."""
+    a = {r["seed"]: r["top1"] for r in ok if r["method"] == method}
+    b = {r["seed"]: r["top1"] for r in ok if r["method"] == baseline}
+    seeds = sorted(set(a) & set(b))
+    diffs = [a[s] - b[s] for s in seeds]
+    if len(diffs) < 2:
+        return seeds, diffs, None, None
+    mean = statistics.mean(diffs)
+    half = t975(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    return seeds, diffs, mean, (mean - half, mean + half)
+
+
+def paired_table(ok, out: Path, experiment: str):
+    """Each method against fp, and DIVISION against DIVISION without LFC, paired by seed."""
+    methods = _methods(ok)
+    pairs = [(m, "fp") for m in methods if m != "fp"]
+    if "division" in methods and "division_nolfc" in methods:
+        pairs.append(("division", "division_nolfc"))
+    header = ["comparison", "seeds", "per-seed difference (points)", "mean", "95 % CI (t)", "reading"]
+    rows = []
+    for method, base in pairs:
+        seeds, diffs, mean, ci = paired_differences(ok, method, base)
+        if not diffs:
+            continue
+        if ci is None:
+            reading = "fewer than two paired seeds: no interval"
+        elif ci[0] > 0 or ci[1] < 0:
+            reading = f"{method} {'above' if ci[0] > 0 else 'below'} {base} (interval excludes 0)"
+        else:
+            reading = f"no difference shown; the interval allows {ci[0]:+.2f} to {ci[1]:+.2f} points"
+        rows.append([f"{method} - {base}", ",".join(map(str, seeds)), ", ".join(f"{d:+.2f}" for d in diffs),
+                     "" if mean is None else f"{mean:+.2f}", "" if ci is None else f"[{ci[0]:+.2f}, {ci[1]:+.2f}]",
+                     reading])
+    if not rows:
+        return []
+    return [_write_table(out / f"accuracy_{experiment}_paired", header, rows, _caption(
+        f"Experiment {experiment}: top-1 differences paired by seed (a seed fixes initial weights and data order "
+        "for every method), mean and 95 % confidence interval (Student's t, n-1 degrees of freedom).", ok))]
 
 
 def _plot_accuracy_curves(ok, path, experiment):

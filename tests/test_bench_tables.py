@@ -1,4 +1,6 @@
 import json
+import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -124,3 +126,16 @@ def test_gpu_check_dry_run_composes_every_command():
 def test_max_batch_below_the_start():
     assert find_max_batch(lambda b: b <= 5, start=32) == 5
     assert find_max_batch(lambda b: False, start=8) == 0
+
+
+def test_paired_differences_and_interval():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import make_tables
+    ok = [{"method": m, "seed": s, "top1": v} for m, s, v in
+          [("fp", 0, 90.0), ("fp", 1, 91.0), ("fp", 2, 92.0), ("division", 0, 89.0), ("division", 1, 90.5),
+           ("division", 2, 91.0), ("division", 7, 50.0)]]
+    seeds, diffs, mean, ci = make_tables.paired_differences(ok, "division", "fp")
+    assert seeds == [0, 1, 2] and diffs == [-1.0, -0.5, -1.0]
+    half = 4.303 * statistics.stdev(diffs) / math.sqrt(3)
+    assert math.isclose(mean, -2.5 / 3) and math.isclose(ci[1], mean + half) and ci[1] < 0
+    assert make_tables.paired_differences(ok[:4], "division", "fp")[3] is None
