@@ -22,7 +22,7 @@ def profile(model_name, method_spec, batch, image_size, num_classes=1000, device
     meter = PeakMeter(device)
     torch.manual_seed(0)
     phases = [("start", meter.current())]
-    model = create_model(model_name, num_classes=num_classes).to(device)
+    model = create_model(model_name, num_classes=num_classes, stem="auto", image_size=image_size).to(device)
     method = methods.build(methods.load_config(method_spec))
     method.prepare(model)
     phases.append(("model built", meter.current()))

@@ -122,3 +122,23 @@ def test_seeds_are_paired_across_methods():
         batches.append(next(iter(train)))
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
     assert torch.equal(batches[0][0], batches[1][0]) and torch.equal(batches[0][1], batches[1][1])
+
+
+def test_imagenet_cnns_get_a_cifar_stem_on_small_inputs(tmp_path):
+    import torch
+    import torch.nn as nn
+    from division.models import create_model, resolve_stem
+    small = create_model("resnet50", num_classes=10, stem="auto", image_size=32)
+    assert small.conv1.kernel_size == (3, 3) and small.conv1.stride == (1, 1) and isinstance(small.maxpool, nn.Identity)
+    assert small(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    big = create_model("resnet50", num_classes=10, stem="auto", image_size=224)
+    assert big.conv1.kernel_size == (7, 7) and isinstance(big.maxpool, nn.MaxPool2d)
+    dense = create_model("densenet161", num_classes=10, stem="cifar", image_size=32)
+    assert dense.features.conv0.kernel_size == (3, 3) and isinstance(dense.features.pool0, nn.Identity)
+    with pytest.raises(ValueError, match="valid choices"):
+        resolve_stem("tiny")
+    with pytest.raises(ValueError, match="model=vit_cifar"):
+        create_model("vit_small_patch16_224", stem="auto", image_size=32)
+    result = run_train(["data=synthetic", "model=resnet50", "data.image_size=32", "data.batch_size=4",
+                        "data.train_size=8", "data.test_size=4", "trainer.max_steps=1"], tmp_path)
+    assert result["stem"] == "cifar" and result["input_size"] == 32

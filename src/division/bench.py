@@ -31,7 +31,7 @@ def measure(model_name: str, batch: int, method_spec: str, image_size: int, step
     device = torch.device("cuda" if device_name == "auto" and torch.cuda.is_available() else
                           ("cpu" if device_name == "auto" else device_name))
     torch.manual_seed(0)
-    model = create_model(model_name, num_classes=num_classes).to(device)
+    model = create_model(model_name, num_classes=num_classes, stem="auto", image_size=image_size).to(device)
     method_cfg = methods.load_config(method_spec)
     method = methods.build(method_cfg)
     method.prepare(model)

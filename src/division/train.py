@@ -89,8 +89,10 @@ def run(cfg: DictConfig) -> dict:
 
     seed_everything(int(cfg.seed))
     train_loader, test_loader, data_info = data_lib.build(cfg.data, int(cfg.seed), info.rank, info.world_size)
+    stem = str(cfg.model.get("stem", "auto"))
     model = models.create_model(cfg.model.name, num_classes=int(cfg.model.num_classes),
-                                pretrained=bool(cfg.model.get("pretrained", False)))
+                                pretrained=bool(cfg.model.get("pretrained", False)), stem=stem,
+                                image_size=data_info.image_size)
     if cfg.trainer.get("sync_bn") and info.enabled:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device)
@@ -122,7 +124,8 @@ def run(cfg: DictConfig) -> dict:
         "train_size": data_info.train_size, "test_size": data_info.test_size,
         "git_sha": sha, "git_dirty": dirty, "code_version": code, "versions": results.versions(),
         "device": results.device_description(device), "method_info": method.describe(),
-        "input_size": data_info.image_size, "codec_backends": None,
+        "input_size": data_info.image_size, "stem": models.stem_of(cfg.model.name, stem, data_info.image_size),
+        "codec_backends": None,
         "peak_mem_how": None, "wall_time_s": 0.0,
     }
     start_epoch = 0

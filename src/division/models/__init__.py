@@ -22,10 +22,48 @@ def list_models():
     return sorted(_REGISTRY)
 
 
-def create_model(name: str, num_classes: int = 10, pretrained: bool = False, **kwargs) -> nn.Module:
+STEMS = ("auto", "cifar", "imagenet")
+SMALL_INPUT = 64  # stem="auto": inputs up to this side get the CIFAR stem
+
+
+def resolve_stem(stem: str, image_size=None) -> str:
+    """``auto``: the CIFAR stem (3x3 stride-1 first convolution, no max-pool) for inputs of side <= 64, the
+    ImageNet stem otherwise (and when the input size is unknown)."""
+    if stem not in STEMS:
+        raise ValueError(f"model.stem={stem!r} is invalid; valid choices: {list(STEMS)}")
+    if stem == "auto":
+        return "cifar" if image_size is not None and int(image_size) <= SMALL_INPUT else "imagenet"
+    return stem
+
+
+def create_model(name: str, num_classes: int = 10, pretrained: bool = False, stem: str = "imagenet",
+                 image_size=None, **kwargs) -> nn.Module:
+    """``stem``/``image_size`` matter for the ImageNet CNNs (see :func:`resolve_stem`) and the ImageNet ViT
+    (its patch grid must fit the input); the CIFAR models have a CIFAR stem already."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown model {name!r}; valid choices: {list_models()}")
-    return _REGISTRY[name](num_classes=num_classes, pretrained=pretrained, **kwargs)
+    factory = _REGISTRY[name]
+    chosen = resolve_stem(stem, image_size)  # validated for every model; used by those with an ImageNet stem
+    if getattr(factory, "takes_input", False):
+        kwargs.update(stem=chosen, image_size=image_size)
+    return factory(num_classes=num_classes, pretrained=pretrained, **kwargs)
+
+
+def stem_of(name: str, stem: str = "imagenet", image_size=None) -> str:
+    """The stem ``create_model`` builds: what result files record."""
+    if getattr(_REGISTRY.get(name), "takes_input", False):
+        return resolve_stem(stem, image_size)
+    return "cifar" if name in _CIFAR_NATIVE else "own"
+
+
+def cifar_stem_(model: nn.Module) -> nn.Module:
+    """Replace a torchvision ResNet's or DenseNet's 7x7 stride-2 stem and max-pool by a 3x3 stride-1
+    convolution and nothing (as the paper's CIFAR ResNet-18 and common CIFAR practice do)."""
+    holder, conv, pool = (model.features, "conv0", "pool0") if hasattr(model, "features") else (model, "conv1", "maxpool")
+    old = getattr(holder, conv)
+    setattr(holder, conv, nn.Conv2d(old.in_channels, old.out_channels, 3, 1, 1, bias=False))
+    setattr(holder, pool, nn.Identity())
+    return model
 
 
 def _no_pretrained(name, pretrained):
@@ -72,15 +110,18 @@ def wrn28_10(num_classes=10, pretrained=False, dropout=0.0):
 
 
 def _torchvision(arch):
-    def make(num_classes=1000, pretrained=False):
+    def make(num_classes=1000, pretrained=False, stem="imagenet", image_size=None):
         import torchvision
         weights = "DEFAULT" if pretrained else None
         model = getattr(torchvision.models, arch)(weights=weights)
         if num_classes != 1000:
             head = "fc" if hasattr(model, "fc") else "classifier"
             setattr(model, head, nn.Linear(getattr(model, head).in_features, num_classes))
+        if stem == "cifar":
+            cifar_stem_(model)
         return model
-    make.__doc__ = f"torchvision {arch} (ImageNet stem)."
+    make.__doc__ = f"torchvision {arch} (ImageNet stem, or the CIFAR stem with stem='cifar')."
+    make.takes_input = True
     return make
 
 
@@ -88,10 +129,19 @@ for _arch in ("resnet50", "wide_resnet50_2", "densenet161"):
     register(_arch)(_torchvision(_arch))
 
 
-@register("vit_small_patch16_224")
-def vit_small_patch16_224(num_classes=1000, pretrained=False):
+def vit_small_patch16_224(num_classes=1000, pretrained=False, stem="imagenet", image_size=None):
+    """timm's ViT-S/16. Its 16x16 patches need inputs of at least 112 (a 7x7 grid), a multiple of 16."""
     import timm
-    return timm.create_model("vit_small_patch16_224", pretrained=pretrained, num_classes=num_classes)
+    size = 224 if image_size is None else int(image_size)
+    if size < 112 or size % 16:
+        raise ValueError(f"vit_small_patch16_224 on {size}x{size} inputs would get a {size // 16}x{size // 16} patch "
+                         f"grid; use model=vit_cifar (4x4 patches for 32x32) or data.image_size=224")
+    return timm.create_model("vit_small_patch16_224", pretrained=pretrained, num_classes=num_classes,
+                             **({} if size == 224 else {"img_size": size}))
+
+
+vit_small_patch16_224.takes_input = True
+register("vit_small_patch16_224")(vit_small_patch16_224)
 
 
 @register("vit_cifar")
@@ -103,4 +153,6 @@ def vit_cifar(num_classes=10, pretrained=False):
                              num_heads=3, mlp_ratio=4.0)
 
 
-__all__ = ["create_model", "list_models", "register"]
+_CIFAR_NATIVE = ("resnet18", "resnet20", "resnet32", "resnet56", "resnet164", "densenet121", "wrn28_10", "vit_cifar")
+
+__all__ = ["create_model", "list_models", "register", "resolve_stem", "stem_of", "cifar_stem_", "STEMS"]
