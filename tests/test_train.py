@@ -142,3 +142,23 @@ def test_imagenet_cnns_get_a_cifar_stem_on_small_inputs(tmp_path):
     result = run_train(["data=synthetic", "model=resnet50", "data.image_size=32", "data.batch_size=4",
                         "data.train_size=8", "data.test_size=4", "trainer.max_steps=1"], tmp_path)
     assert result["stem"] == "cifar" and result["input_size"] == 32
+
+
+def test_divergence_stops_the_run_with_its_cause(tmp_path):
+    from division import engine
+    bad = SYN + ["method=fp", "optim.lr=1e4", "optim.warmup_epochs=0", "trainer.max_steps=8"]
+    with pytest.raises(engine.Diverged, match="optim.lr"):
+        run_train(bad, tmp_path)
+    saved = json.loads(next(Path(tmp_path, "outputs", "runs").rglob("result.json")).read_text())
+    assert saved["status"] == "diverged" and "optim.lr" in saved["error"]
+    allowed = run_train(bad + ["trainer.allow_divergence=true"], tmp_path / "allowed")
+    assert allowed["status"] == "ok"
+
+
+def test_guard_waits_for_the_warmup():
+    from division import engine
+    state = engine.StepState(device=None, diverge_loss=5.0, guard_from_step=10, global_step=3)
+    engine.check_divergence(50.0, state, 0)  # still warming up
+    state.global_step = 10
+    with pytest.raises(engine.Diverged, match="warmup_epochs"):
+        engine.check_divergence(50.0, state, 0)

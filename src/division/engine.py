@@ -26,6 +26,9 @@ class StepState:
     max_steps: int = 0
     global_step: int = 0
     live_peak: bool = False  # CPU: glibc returns freed blocks while memory is measured (see memory.py)
+    guard: bool = True  # stop on a non-finite loss, or on one above diverge_loss after guard_from_step
+    diverge_loss: float = 0.0  # 0 = no loss threshold
+    guard_from_step: int = 0
     measured_steps: int = 2  # steps whose peak is the run's peak: the accounted one and the next
     progress: bool = True
     scaler: Optional[object] = None
@@ -48,6 +51,10 @@ def autocast(state: StepState):
 def synchronize(device: torch.device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class Diverged(RuntimeError):
+    """Training went wrong: the loss is not finite, or far above chance level after the warm-up."""
 
 
 @dataclass
@@ -111,6 +118,21 @@ def fp_reference(model: nn.Module, method, x, y, state: StepState):
     return method.fp_reference(core_model(model), _forward(core_model(model), x, y, state))
 
 
+def check_divergence(loss: float, state: StepState, epoch: int):
+    """Stop early, with the likely cause, when the loss is not finite or, after the warm-up, exceeds
+    ``state.diverge_loss`` (a multiple of ln(classes), the loss of a uniform guess)."""
+    if not state.guard:
+        return
+    where = f"at epoch {epoch}, step {state.global_step}"
+    if not math.isfinite(loss):
+        raise Diverged(f"training loss is {loss} {where}: the run diverged. Likely causes: a learning rate too "
+                       "high for this model and batch (optim.lr), or no warm-up (optim.warmup_epochs)")
+    if state.diverge_loss and state.global_step >= state.guard_from_step and loss > state.diverge_loss:
+        raise Diverged(f"training loss {loss:.2f} {where} is above {state.diverge_loss:.2f} (several times the "
+                       "loss of a uniform guess) after the warm-up: the run is diverging. Likely causes: "
+                       "optim.lr too high, optim.warmup_epochs too short; trainer.allow_divergence=true lets it go on")
+
+
 def _progress(loader, enabled, desc):
     if not enabled:
         return loader
@@ -163,8 +185,7 @@ def train_one_epoch(model: nn.Module, method, loader, optimizer, scheduler, stat
             compute_time += out.seconds
             timed_images += n
         loss_value = out.loss.item()  # the one host synchronisation of a step, for bookkeeping
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(f"loss is {loss_value} at epoch {epoch}, step {state.global_step}")
+        check_divergence(loss_value, state, epoch)
         loss_sum += loss_value * n
         correct += (out.logits.argmax(1) == y).sum().item()
         seen += n

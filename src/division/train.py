@@ -1,4 +1,5 @@
 """The Hydra entry point: compose config -> data, model, method -> epochs -> result.json."""
+import math
 import os
 import time
 from pathlib import Path
@@ -113,6 +114,10 @@ def run(cfg: DictConfig) -> dict:
                              float(cfg.optim.get("label_smoothing", 0.0)), max_steps,
                              progress=bool(cfg.trainer.progress), scaler=scaler, dist_info=info,
                              live_peak=bool(cfg.trainer.get("release_freed_memory", True)))
+    state.guard = not cfg.trainer.get("allow_divergence", False)
+    if state.guard:
+        state.diverge_loss = float(cfg.trainer.get("diverge_factor", 3.0)) * math.log(int(cfg.model.num_classes))
+        state.guard_from_step = int(float(cfg.optim.get("warmup_epochs", 0)) * len(train_loader))
 
     sha, dirty = results.git_state()
     result = {
@@ -201,6 +206,10 @@ def run(cfg: DictConfig) -> dict:
     except KeyboardInterrupt:
         write("interrupted")
         raise
+    except engine.Diverged as err:
+        result["error"] = str(err)
+        write("diverged")
+        raise
     except BaseException:
         write("error")
         raise
@@ -258,7 +267,7 @@ def engine_line(m: dict) -> str:
 def main(cfg: DictConfig):
     try:
         run(cfg)
-    except data_lib.DataNotFoundError as err:
+    except (data_lib.DataNotFoundError, engine.Diverged) as err:
         raise SystemExit(f"error: {err}") from None
     finally:
         dist.cleanup()
