@@ -162,3 +162,18 @@ def test_guard_waits_for_the_warmup():
     state.global_step = 10
     with pytest.raises(engine.Diverged, match="warmup_epochs"):
         engine.check_divergence(50.0, state, 0)
+
+
+def test_zero_init_residual_makes_blocks_start_as_identity(tmp_path):
+    import torch
+    from division.models import create_model, zero_init_residual_
+    for name, last in (("resnet20", "bn2"), ("resnet50", "bn3")):
+        model = create_model(name)
+        assert zero_init_residual_(model) > 0
+        blocks = [m for m in model.modules() if hasattr(m, last) and hasattr(m, "conv1")]
+        assert blocks and all(torch.all(getattr(b, last).weight == 0) for b in blocks)
+    assert zero_init_residual_(create_model("resnet164")) == 0  # pre-activation blocks have no last norm
+    result = run_train(SYN + ["method=fp", "trainer.max_steps=1"], tmp_path)
+    assert result["zero_init_residual_blocks"] == 9
+    from conftest import compose
+    assert compose(["experiment=cifar10_resnet20_full"]).model.zero_init_residual is False

@@ -94,6 +94,7 @@ def run(cfg: DictConfig) -> dict:
     model = models.create_model(cfg.model.name, num_classes=int(cfg.model.num_classes),
                                 pretrained=bool(cfg.model.get("pretrained", False)), stem=stem,
                                 image_size=data_info.image_size)
+    zeroed = models.zero_init_residual_(model) if cfg.model.get("zero_init_residual", False) else 0
     if cfg.trainer.get("sync_bn") and info.enabled:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device)
@@ -129,7 +130,7 @@ def run(cfg: DictConfig) -> dict:
         "train_size": data_info.train_size, "test_size": data_info.test_size,
         "git_sha": sha, "git_dirty": dirty, "code_version": code, "versions": results.versions(),
         "device": results.device_description(device), "method_info": method.describe(),
-        "input_size": data_info.image_size, "stem": models.stem_of(cfg.model.name, stem, data_info.image_size),
+        "input_size": data_info.image_size, "zero_init_residual_blocks": zeroed, "stem": models.stem_of(cfg.model.name, stem, data_info.image_size),
         "codec_backends": None,
         "peak_mem_how": None, "wall_time_s": 0.0,
     }

@@ -56,6 +56,21 @@ def stem_of(name: str, stem: str = "imagenet", image_size=None) -> str:
     return "cifar" if name in _CIFAR_NATIVE else "own"
 
 
+def zero_init_residual_(model: nn.Module) -> int:
+    """Zero the scale of the last batch norm in each post-activation residual block (Goyal et al., 2017), so
+    every block starts as the identity: deep ResNets then train from scratch at lr 0.1 without tuning.
+    Returns how many blocks were changed (0 for models without such blocks)."""
+    from torchvision.models.resnet import BasicBlock as TvBasic, Bottleneck as TvBottleneck
+    changed = 0
+    for m in model.modules():
+        bn = (m.bn3 if isinstance(m, TvBottleneck) else
+              m.bn2 if isinstance(m, (TvBasic, cifar.BasicBlock)) else None)
+        if bn is not None and bn.weight is not None:
+            nn.init.zeros_(bn.weight)
+            changed += 1
+    return changed
+
+
 def cifar_stem_(model: nn.Module) -> nn.Module:
     """Replace a torchvision ResNet's or DenseNet's 7x7 stride-2 stem and max-pool by a 3x3 stride-1
     convolution and nothing (as the paper's CIFAR ResNet-18 and common CIFAR practice do)."""
@@ -155,4 +170,5 @@ def vit_cifar(num_classes=10, pretrained=False):
 
 _CIFAR_NATIVE = ("resnet18", "resnet20", "resnet32", "resnet56", "resnet164", "densenet121", "wrn28_10", "vit_cifar")
 
-__all__ = ["create_model", "list_models", "register", "resolve_stem", "stem_of", "cifar_stem_", "STEMS"]
+__all__ = ["create_model", "list_models", "register", "resolve_stem", "stem_of", "cifar_stem_", "zero_init_residual_",
+           "STEMS"]
