@@ -159,7 +159,7 @@ def train_one_epoch(model: nn.Module, method, loader, optimizer, scheduler, stat
     loss_sum = correct = seen = 0.0
     compute_time = timed_images = 0.0
     report = fp = None
-    step_peak = epoch_peak = None
+    step_peak = None
     steps = 0
     start = time.perf_counter()
     bar = _progress(loader, state.progress and state.dist_info.is_main, f"epoch {epoch}")

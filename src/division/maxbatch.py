@@ -68,7 +68,7 @@ def main(argv=None):
         if path.exists():
             print(f"skip {path.name} (exists)")
             continue
-        tried = {}
+        tried, prov = {}, {"device": None}
         bargs = bench_parse(["--image-size", str(args.image_size), "--steps", "1", "--warmup", "1",
                              "--device", args.device, "--suite", "max_batch", "--no-fp-reference"] +
                             (["--glibc-default"] if args.glibc_default else []))
@@ -78,6 +78,8 @@ def main(argv=None):
             tmp.unlink(missing_ok=True)
             rec = run_one_subprocess(bargs, args.model, batch, method, tmp)
             used = rec.get("peak_mem_growth_bytes") if rec["status"] == "ok" else None
+            if rec.get("device"):
+                prov.update({k: rec.get(k) for k in ("git_sha", "git_dirty", "code_version", "versions", "device")})
             tried[batch] = used
             print(f"  {method} batch {batch}: {'oom/error' if used is None else f'{used / 2**20:.0f} MiB'}", flush=True)
             return used is not None and used <= budget
@@ -85,17 +87,9 @@ def main(argv=None):
         results.write_json(path, {"status": "ok", "model": args.model, "method": method, "budget": args.budget,
                                   "budget_bytes": budget, "max_batch": best, "probes": tried,
                                   "malloc_mmap_threshold": None if args.glibc_default else 65536,
-                                  **probe_provenance(out, args.model, method)})
+                                  **prov})
         print(f"{args.model} {method}: max batch {best} within {args.budget}")
 
-
-def probe_provenance(out, model, method) -> dict:
-    """Commit, code version, versions and device, as the probes (which ran the measurement) recorded them."""
-    for f in sorted((out / ".probe").glob(f"{model}_{method}_b*.json")):
-        rec = results.read_json(f)
-        if rec.get("device"):
-            return {k: rec.get(k) for k in ("git_sha", "git_dirty", "code_version", "versions", "device")}
-    return {"device": None}
 
 
 if __name__ == "__main__":

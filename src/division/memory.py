@@ -11,6 +11,7 @@ low-precision casts of weights; they are not activations either and are reported
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import resource
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -176,9 +177,14 @@ LARGE_BLOCK = 64 * 1024
 FAST_MMAP_THRESHOLD = 32 * 2**20  # glibc's own ceiling for its dynamic threshold
 
 
+@functools.lru_cache(maxsize=1)
+def _libc():
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
 def _mallopt(mmap_threshold: int, trim_threshold: int) -> bool:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = _libc()
         return libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1 and \
             libc.mallopt(M_TRIM_THRESHOLD, trim_threshold) == 1
     except (OSError, AttributeError):
@@ -198,7 +204,7 @@ def release_freed_memory() -> bool:
     if not _mallopt(LARGE_BLOCK, LARGE_BLOCK):
         return False
     try:  # and give back what the heap holds free now, so the measurement starts from live memory
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        _libc().malloc_trim(0)
     except (OSError, AttributeError):
         pass
     return True

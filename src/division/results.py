@@ -74,10 +74,11 @@ def code_version(root: Path = ROOT) -> str:
     return h.hexdigest()[:12]
 
 
-def provenance(device: torch.device) -> Dict[str, Any]:
-    """What every result file records: commit, dirty flag, code version, library versions, device."""
+def provenance(device: torch.device, code: str = None) -> Dict[str, Any]:
+    """What every result file records: commit, dirty flag, code version (computed unless given), library
+    versions, device."""
     sha, dirty = git_state(ROOT)
-    return {"git_sha": sha, "git_dirty": dirty, "code_version": code_version(), "versions": versions(),
+    return {"git_sha": sha, "git_dirty": dirty, "code_version": code or code_version(), "versions": versions(),
             "device": device_description(device)}
 
 

@@ -120,7 +120,6 @@ def run(cfg: DictConfig) -> dict:
         state.diverge_loss = float(cfg.trainer.get("diverge_factor", 3.0)) * math.log(int(cfg.model.num_classes))
         state.guard_from_step = int(float(cfg.optim.get("warmup_epochs", 0)) * len(train_loader))
 
-    sha, dirty = results.git_state()
     result = {
         "status": "running", "experiment": str(cfg.exp_name), "run_id": run_dir.name,
         "data": cfg.data.name, "model": cfg.model.name, "method": cfg.method.name, "seed": int(cfg.seed),
@@ -128,8 +127,7 @@ def run(cfg: DictConfig) -> dict:
         "throughput_img_s": None, "peak_mem_bytes": None, "act_mem_bytes": None, "act_mem_fp_bytes": None,
         "act_compression": None, "lr": lr, "global_batch": global_batch, "world_size": info.world_size,
         "train_size": data_info.train_size, "test_size": data_info.test_size,
-        "git_sha": sha, "git_dirty": dirty, "code_version": code, "versions": results.versions(),
-        "device": results.device_description(device), "method_info": method.describe(),
+        **results.provenance(device, code), "method_info": method.describe(),
         "input_size": data_info.image_size, "zero_init_residual_blocks": zeroed, "stem": models.stem_of(cfg.model.name, stem, data_info.image_size),
         "codec_backends": None,
         "peak_mem_how": None, "wall_time_s": 0.0,
