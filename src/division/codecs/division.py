@@ -11,14 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from division.codecs.quant import (BACKENDS, Bf16Copy, Packed, QuantizedTensor, check_backend, check_bits,
-                                   encode_maps_compiled, kernel_library, quantize_per_row, quantize_rows_triton,
-                                   use_triton)
+                                   decode_rows_compiled, encode_maps_compiled, kernel_library, quantize_per_row,
+                                   quantize_rows_triton, use_triton)
 
 LFC_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def _ptr(t: torch.Tensor):
-    return t.data_ptr()
 
 
 def _encode_compiled(lib, x: torch.Tensor, block_hw, bits: int, stochastic: bool) -> Optional["DivisionPacked"]:
@@ -33,15 +29,8 @@ def _encode_compiled(lib, x: torch.Tensor, block_hw, bits: int, stochastic: bool
 
 
 def _decode_compiled(p: "DivisionPacked") -> torch.Tensor:
-    from division import kernels
     n, c, h, w = p.shape
-    out = torch.empty((n, c, h, w), dtype=torch.float32)
-    failed = kernels.library().division_decode(
-        _ptr(p.hfc.packed), _ptr(p.lfc), _ptr(p.hfc.minimum), _ptr(p.hfc.scale), n * c, h, w, p.block_hw[0],
-        p.block_hw[1], p.hfc.bits, _ptr(out), torch.get_num_threads())
-    if failed:
-        raise MemoryError(f"DIVISION decode kernel could not allocate its row buffers ({failed} maps left)")
-    return out
+    return decode_rows_compiled(p.hfc, p.lfc, (h, w), p.block_hw).view(n, c, h, w)
 
 
 def lfc_blocks(height: int, width: int, block: int):

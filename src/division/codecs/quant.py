@@ -117,6 +117,8 @@ class QuantizedTensor(Packed):
             out = triton_codecs.decode_rows(self.packed, self.minimum, self.scale, self.bad_rows, self.rows,
                                             self.row_len, self.bits, lfc, map_hw, block_hw)
             return out.to(dtype or self.dtype)
+        if self.backend == "compiled" and self.bad_index is None:
+            return decode_rows_compiled(self).to(dtype or self.dtype)
         codes = unpack_bits(self.packed, self.bits, self.rows * self.row_len).view(self.rows, self.row_len)
         x = codes.float().mul_(self.scale.unsqueeze(1)).add_(self.minimum.unsqueeze(1))
         if self.bad_index is not None:
@@ -243,6 +245,21 @@ def encode_maps_compiled(x: torch.Tensor, maps: int, h: int, w: int, block_hw, b
     if fixed_range is not None:
         minimum, scale = fixed_range[0].clone(), fixed_range[1].clone()
     return lfc, QuantizedTensor(packed, minimum, scale, bits, maps, h * w, x.dtype, backend="compiled")
+
+
+def decode_rows_compiled(q: "QuantizedTensor", lfc=None, map_hw=None, block_hw=None) -> torch.Tensor:
+    """The CPU kernel's decode: rows (or h x w maps plus their bf16 LFC), float32 of shape (rows, row_len)."""
+    from division import kernels
+    h, w = map_hw or (1, q.row_len)
+    bh, bw = block_hw or (1, w)
+    minimum, scale = (t.expand(q.rows).contiguous() for t in (q.minimum, q.scale))  # a shared range is held once
+    out = torch.empty((q.rows, q.row_len), dtype=torch.float32)
+    failed = kernels.library().division_decode(
+        q.packed.data_ptr(), None if lfc is None else lfc.data_ptr(), minimum.data_ptr(), scale.data_ptr(), q.rows,
+        h, w, bh, bw, q.bits, out.data_ptr(), torch.get_num_threads())
+    if failed:
+        raise MemoryError(f"decode kernel could not allocate its row buffers ({failed} rows left)")
+    return out
 
 
 def _float_kernel(t: torch.Tensor, backend: str):

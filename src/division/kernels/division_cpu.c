@@ -37,20 +37,31 @@ static inline uint32_t hash32(uint32_t z) {
     return z ^ (z >> 16);
 }
 
-/* codes (one byte each, values < 2^bits) -> packed bytes, little end first; n is a multiple of 8/bits. */
+/* codes (one byte each, values < 2^bits) -> packed bytes, little end first; n is a multiple of 8/bits.
+ * The codes of one output byte are read as one little-endian word and folded with shifts, so each loop is
+ * plain lane-wise integer arithmetic that the compiler vectorises. */
 static void pack_aligned(const uint8_t *restrict c, int64_t n, int bits, uint8_t *restrict out) {
     switch (bits) {
     case 1:
-        for (int64_t k = 0; k < n / 8; k++)
-            out[k] = (uint8_t)(c[8 * k] | c[8 * k + 1] << 1 | c[8 * k + 2] << 2 | c[8 * k + 3] << 3 |
-                               c[8 * k + 4] << 4 | c[8 * k + 5] << 5 | c[8 * k + 6] << 6 | c[8 * k + 7] << 7);
+        for (int64_t k = 0; k < n / 8; k++) {
+            uint64_t v;
+            memcpy(&v, c + 8 * k, 8);
+            out[k] = (uint8_t)((v * 0x0102040810204080ull) >> 56);  /* byte t's low bit lands on bit 56 + t, no carries */
+        }
         break;
     case 2:
-        for (int64_t k = 0; k < n / 4; k++)
-            out[k] = (uint8_t)(c[4 * k] | c[4 * k + 1] << 2 | c[4 * k + 2] << 4 | c[4 * k + 3] << 6);
+        for (int64_t k = 0; k < n / 4; k++) {
+            uint32_t v;
+            memcpy(&v, c + 4 * k, 4);
+            out[k] = (uint8_t)((v & 0x3u) | ((v >> 6) & 0xCu) | ((v >> 12) & 0x30u) | ((v >> 18) & 0xC0u));
+        }
         break;
     case 4:
-        for (int64_t k = 0; k < n / 2; k++) out[k] = (uint8_t)(c[2 * k] | c[2 * k + 1] << 4);
+        for (int64_t k = 0; k < n / 2; k++) {
+            uint16_t v;
+            memcpy(&v, c + 2 * k, 2);
+            out[k] = (uint8_t)((v & 0xFu) | ((v >> 4) & 0xF0u));
+        }
         break;
     default:
         memcpy(out, c, (size_t)n);
@@ -60,17 +71,23 @@ static void pack_aligned(const uint8_t *restrict c, int64_t n, int bits, uint8_t
 static void unpack_aligned(const uint8_t *restrict in, int64_t n, int bits, uint8_t *restrict c) {
     switch (bits) {
     case 1:
-        for (int64_t k = 0; k < n / 8; k++)
-            for (int t = 0; t < 8; t++) c[8 * k + t] = (in[k] >> t) & 1u;
+        for (int64_t k = 0; k < n / 8; k++) {
+            const uint8_t b = in[k];
+            for (int t = 0; t < 8; t++) c[8 * k + t] = (uint8_t)((b >> t) & 1u);
+        }
         break;
     case 2:
-        for (int64_t k = 0; k < n / 4; k++)
-            for (int t = 0; t < 4; t++) c[4 * k + t] = (in[k] >> (2 * t)) & 3u;
+        for (int64_t k = 0; k < n / 4; k++) {
+            const uint32_t b = in[k];
+            const uint32_t v = (b | (b << 6) | (b << 12) | (b << 18)) & 0x03030303u;
+            memcpy(c + 4 * k, &v, 4);
+        }
         break;
     case 4:
         for (int64_t k = 0; k < n / 2; k++) {
-            c[2 * k] = in[k] & 15u;
-            c[2 * k + 1] = in[k] >> 4;
+            const uint16_t b = in[k];
+            const uint16_t v = (uint16_t)((b | (b << 4)) & 0x0F0Fu);
+            memcpy(c + 2 * k, &v, 2);
         }
         break;
     default:
@@ -78,67 +95,129 @@ static void unpack_aligned(const uint8_t *restrict in, int64_t n, int bits, uint
     }
 }
 
-/* Returns the number of maps whose LFC, minimum or maximum was not finite (the caller then uses the
- * reference path, which keeps such values exactly). */
+/* Means of the blocks of one block row (``rows`` x w) -> bf16 (lm, wb values); ``colsum`` is left holding
+ * the stored means upsampled along the row. */
+static void block_row_means(const float *restrict xr, int64_t rows, int64_t w, int64_t bw, uint16_t *restrict lm,
+                            float *restrict colsum) {
+    const int64_t wb = (w + bw - 1) / bw;
+    for (int64_t c = 0; c < w; c++) colsum[c] = 0.0f;
+    for (int64_t r = 0; r < rows; r++)
+#pragma omp simd
+        for (int64_t c = 0; c < w; c++) colsum[c] += xr[r * w + c];
+    for (int64_t j = 0; j < wb; j++) {
+        const int64_t w0 = j * bw, w1 = w0 + bw < w ? w0 + bw : w;
+        float s = 0.0f;
+        for (int64_t c = w0; c < w1; c++) s += colsum[c];
+        const uint16_t b = f32_to_bf16(s / (float)(rows * (w1 - w0)));
+        lm[j] = b;
+        const float l = bf16_to_f32(b);
+        for (int64_t c = w0; c < w1; c++) colsum[c] = l;
+    }
+}
+
+/* Block means of one map -> bf16 LFC (lm), and ``up``: the stored LFC upsampled to the map plus ``offset``.
+ * Column sums run along rows (vectorised over the width); the rest is one value per block. */
+static void lfc_of_map(const float *restrict xm, int64_t h, int64_t w, int64_t bh, int64_t bw, uint16_t *restrict lm,
+                       float *restrict colsum, float *restrict up) {
+    const int64_t wb = (w + bw - 1) / bw;
+    for (int64_t r0 = 0; r0 < h; r0 += bh) {
+        const int64_t r1 = r0 + bh < h ? r0 + bh : h;
+        block_row_means(xm + r0 * w, r1 - r0, w, bw, lm + (r0 / bh) * wb, colsum);
+        for (int64_t r = r0; r < r1; r++) memcpy(up + r * w, colsum, (size_t)w * sizeof(float));
+    }
+}
+
+/* The upsampled stored LFC of one map plus ``offset`` (decode). */
+static void upsample_map(const uint16_t *restrict lm, int64_t h, int64_t w, int64_t bh, int64_t bw, float offset,
+                         float *restrict row, float *restrict up) {
+    const int64_t hb = (h + bh - 1) / bh, wb = (w + bw - 1) / bw;
+    for (int64_t i = 0; i < hb; i++) {
+        const int64_t h0 = i * bh, h1 = h0 + bh < h ? h0 + bh : h;
+        for (int64_t j = 0; j < wb; j++) {
+            const float o = offset + bf16_to_f32(lm[i * wb + j]);
+            const int64_t w0 = j * bw, w1 = w0 + bw < w ? w0 + bw : w;
+            for (int64_t c = w0; c < w1; c++) row[c] = o;
+        }
+        for (int64_t r = h0; r < h1; r++) memcpy(up + r * w, row, (size_t)w * sizeof(float));
+    }
+}
+
+/* Returns the number of maps holding a NaN or Inf (in x, its LFC or its HFC range); the caller then uses the
+ * reference path, which keeps such values exactly. */
 int division_encode(const float *x, int64_t maps, int64_t h, int64_t w, int64_t bh, int64_t bw, int bits,
                     uint64_t seed, int stochastic, uint16_t *lfc, float *minimum, float *scale, uint8_t *codes,
                     uint8_t *packed, int threads, int fixed_range) {
     /* lfc == NULL: no low-frequency component (a plain per-map quantizer; maps of 1 x n are rows).
-     * fixed_range: minimum[m] and scale[m] are inputs (one range for many maps, BLPA), not outputs. */
-    /* Maps whose codes fill whole bytes are packed here into ``packed``; otherwise codes go to ``codes``
-     * (one byte each) and the caller packs them with pack_codes. Each map is worked row by row in
-     * straight loops over a row (upsampled LFC, HFC, codes) that the compiler vectorises. */
+     * fixed_range: minimum[m] and scale[m] are inputs (one range for many maps, BLPA), not outputs.
+     * Maps whose codes fill whole bytes are packed here into ``packed``; otherwise codes go to ``codes``
+     * (one byte each) and the caller packs them with pack_codes. After the block sums, every pass is a flat
+     * loop over the map's h*w elements (upsampled LFC, HFC with its range and a non-finite flag, codes),
+     * so small maps vectorise as well as large ones. */
     const int shift = bits == 1 ? 3 : (bits == 2 ? 2 : (bits == 4 ? 1 : 0));
     const int64_t per_mask = (1 << shift) - 1;
-    const int aligned = ((h * w) & per_mask) == 0;
-    const int64_t hb = lfc ? (h + bh - 1) / bh : 1, wb = lfc ? (w + bw - 1) / bw : 1, hw = h * w;
-    const int64_t rows_per_block = lfc ? bh : h;
+    const int64_t hw = h * w;
+    const int aligned = (hw & per_mask) == 0;
+    const int64_t nbw = (w + bw - 1) / bw, nblocks = lfc ? ((h + bh - 1) / bh) * nbw : 0;
     const float levels = (float)((1 << bits) - 1);
     const int top = (int)levels;
     int bad = 0;
 #pragma omp parallel num_threads(threads) reduction(+:bad)
     {
-        float *lrow = malloc((size_t)w * sizeof(float));
-        float *hfc = malloc((size_t)hw * sizeof(float));
+        float *colsum = malloc((size_t)w * sizeof(float));
+        float *buf = malloc((size_t)hw * sizeof(float));
         uint8_t *cbuf = malloc((size_t)hw);
+        uint16_t *rnd = malloc((size_t)(hw + 1) / 2 * sizeof(uint32_t));
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < maps; m++) {
-            if (!lrow || !hfc || !cbuf) {  /* out of memory: the caller falls back to the reference path */
+            if (!colsum || !buf || !cbuf || !rnd) {  /* out of memory: the caller falls back to the reference path */
                 bad += 1;
                 continue;
             }
-            const float *xm = x + m * hw;
-            uint16_t *lm = lfc ? lfc + m * hb * wb : NULL;
-            float check = 0.0f;  /* becomes NaN when any LFC or HFC value is NaN or infinite */
-            for (int64_t i = 0; i < hb; i++) {
-                const int64_t h0 = i * rows_per_block, h1 = h0 + rows_per_block < h ? h0 + rows_per_block : h;
-                if (lm) {
-                    for (int64_t c = 0; c < w; c++) lrow[c] = 0.0f;
-                    for (int64_t r = h0; r < h1; r++)
-                        for (int64_t c = 0; c < w; c++) lrow[c] += xm[r * w + c];
-                    for (int64_t j = 0; j < wb; j++) {
-                        const int64_t w0 = j * bw, w1 = w0 + bw < w ? w0 + bw : w;
-                        float s = 0.0f;
-                        for (int64_t c = w0; c < w1; c++) s += lrow[c];
-                        const uint16_t b = f32_to_bf16(s / (float)((h1 - h0) * (w1 - w0)));
-                        lm[i * wb + j] = b;
-                        const float l = bf16_to_f32(b);
-                        for (int64_t c = w0; c < w1; c++) lrow[c] = l;
-                    }
-                } else {
-                    for (int64_t c = 0; c < w; c++) lrow[c] = 0.0f;
-                }
-                for (int64_t r = h0; r < h1; r++)
-                    for (int64_t c = 0; c < w; c++) hfc[r * w + c] = xm[r * w + c] - lrow[c];
-            }
+            const float *restrict xm = x + m * hw;
+            float *restrict hfc = buf;
             float mn = INFINITY, mx = -INFINITY;
-            for (int64_t e = 0; e < hw; e++) {
-                const float v = hfc[e];
-                check += v * 0.0f;
-                mn = v < mn ? v : mn;
-                mx = v > mx ? v : mx;
+            uint32_t nonfinite = 0;
+            if (lfc) {
+                /* Block means into the bf16 LFC; ``up`` gets the stored LFC upsampled, one row per block row
+                 * where rows are wide, the whole map where they are short (then one flat loop). */
+                const int wide = w >= 16;
+                const int64_t rows = wide ? bh : h;
+                for (int64_t r0 = 0; r0 < h; r0 += rows) {
+                    const int64_t r1 = r0 + rows < h ? r0 + rows : h;
+                    if (wide)
+                        block_row_means(xm + r0 * w, r1 - r0, w, bw, lfc + m * nblocks + (r0 / bh) * nbw, colsum);
+                    else
+                        lfc_of_map(xm, h, w, bh, bw, lfc + m * nblocks, colsum, buf);
+                    const int64_t n = (r1 - r0) * w, period = wide ? w : n;
+                    const float *restrict xr = xm + r0 * w;
+                    float *restrict hr = hfc + r0 * w;
+                    const float *restrict lr = wide ? colsum : buf;
+                    for (int64_t o = 0; o < n; o += period) {
+#pragma omp simd reduction(min:mn) reduction(max:mx) reduction(|:nonfinite)
+                        for (int64_t c = 0; c < period; c++) {
+                            const float v = xr[o + c] - lr[c];
+                            uint32_t u;
+                            memcpy(&u, &v, 4);
+                            nonfinite |= (u & 0x7F800000u) == 0x7F800000u;
+                            hr[o + c] = v;
+                            mn = v < mn ? v : mn;
+                            mx = v > mx ? v : mx;
+                        }
+                    }
+                }
+            } else {
+                hfc = (float *)xm;
+#pragma omp simd reduction(min:mn) reduction(max:mx) reduction(|:nonfinite)
+                for (int64_t e = 0; e < hw; e++) {
+                    const float v = xm[e];
+                    uint32_t u;
+                    memcpy(&u, &v, 4);
+                    nonfinite |= (u & 0x7F800000u) == 0x7F800000u;
+                    mn = v < mn ? v : mn;
+                    mx = v > mx ? v : mx;
+                }
             }
-            if (check != 0.0f || !isfinite(mn) || !isfinite(mx)) {
+            if (nonfinite || !isfinite(mn) || !isfinite(mx) || !isfinite(mx - mn)) {
                 bad += 1;
                 continue;
             }
@@ -152,43 +231,63 @@ int division_encode(const float *x, int64_t maps, int64_t h, int64_t w, int64_t 
             }
             const float inv = sc > 0.0f ? 1.0f / sc : 0.0f;
             const uint32_t key = (uint32_t)splitmix64(seed ^ (0xD1B54A32D192ED03ull * (uint64_t)(m + 1)));
-            for (int64_t e = 0; e < hw; e++) {
-                const float u = stochastic ? (float)(hash32(key + (uint32_t)e) >> 8) * (1.0f / 16777216.0f) : 0.5f;
-                const float v = (hfc[e] - mn) * inv + u;
-                int q = v > 0.0f ? (int)v : 0;  /* truncation == floor for v >= 0 */
-                q = q < 0 ? 0 : q;
-                cbuf[e] = (uint8_t)(q < top ? q : top);
+            uint8_t *restrict out = aligned ? cbuf : codes + m * hw;
+            if (stochastic) {
+                /* One 32-bit hash serves two elements, 16 bits each (offset by half a step, so the rounding
+                 * bias stays below 2^-17 of a quantization step): half the multiplies of a hash per element. */
+                const int64_t pairs = (hw + 1) / 2;
+#pragma omp simd
+                for (int64_t k = 0; k < pairs; k++) {
+                    const uint32_t r = hash32(key + (uint32_t)k);
+                    memcpy(rnd + 2 * k, &r, 4);  /* memcpy: no aliasing between the two views */
+                }
+                const uint16_t *restrict r16 = rnd;
+#pragma omp simd
+                for (int64_t e = 0; e < hw; e++) {
+                    const float u = ((float)r16[e] + 0.5f) * (1.0f / 65536.0f);
+                    const float v = (hfc[e] - mn) * inv + u;
+                    const int q = v > 0.0f ? (int)v : 0;  /* truncation == floor for v >= 0 */
+                    out[e] = (uint8_t)(q < top ? q : top);
+                }
+            } else {
+#pragma omp simd
+                for (int64_t e = 0; e < hw; e++) {
+                    const float v = (hfc[e] - mn) * inv + 0.5f;
+                    int q = v > 0.0f ? (int)v : 0;
+                    out[e] = (uint8_t)(q < top ? q : top);
+                }
             }
-            if (aligned)
-                pack_aligned(cbuf, hw, bits, packed + ((m * hw) >> shift));
-            else
-                memcpy(codes + m * hw, cbuf, (size_t)hw);
+            if (aligned) pack_aligned(cbuf, hw, bits, packed + ((m * hw) >> shift));
         }
-        free(lrow);
-        free(hfc);
+        free(colsum);
+        free(buf);
         free(cbuf);
+        free(rnd);
     }
     return bad;
 }
 
 void pack_codes(const uint8_t *codes, int64_t numel, int bits, uint8_t *out, int threads) {
-    const int64_t per = 8 / bits;
-    const int64_t nbytes = (numel * bits + 7) / 8;
+    /* Whole bytes in parallel chunks through the vectorised packer, then the last partial byte. */
+    const int64_t per = 8 / bits, full = numel / per, chunk = 1 << 16;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < nbytes; i++) {
+    for (int64_t k0 = 0; k0 < full; k0 += chunk) {
+        const int64_t k1 = k0 + chunk < full ? k0 + chunk : full;
+        pack_aligned(codes + k0 * per, (k1 - k0) * per, bits, out + k0);
+    }
+    if (numel % per) {
         uint8_t b = 0;
-        for (int64_t k = 0; k < per; k++) {
-            int64_t idx = i * per + k;
-            if (idx < numel) b |= (uint8_t)(codes[idx] << (bits * k));
-        }
-        out[i] = b;
+        for (int64_t idx = full * per; idx < numel; idx++) b |= (uint8_t)(codes[idx] << (bits * (idx - full * per)));
+        out[full] = b;
     }
 }
 
-/* Returns the number of maps not decoded for lack of memory (the caller raises). */
+/* Returns the number of maps not decoded for lack of memory (the caller raises). lfc == NULL: no LFC (a plain
+ * per-map quantizer). */
 int division_decode(const uint8_t *packed, const uint16_t *lfc, const float *minimum, const float *scale,
                      int64_t maps, int64_t h, int64_t w, int64_t bh, int64_t bw, int bits, float *out, int threads) {
-    const int64_t hb = (h + bh - 1) / bh, wb = (w + bw - 1) / bw, hw = h * w;
+    const int64_t hw = h * w;
+    const int64_t nblocks = lfc ? ((h + bh - 1) / bh) * ((w + bw - 1) / bw) : 0;
     const int shift = bits == 1 ? 3 : (bits == 2 ? 2 : (bits == 4 ? 1 : 0));  /* log2(codes per byte) */
     const int64_t per_mask = (1 << shift) - 1;
     const int aligned = (hw & per_mask) == 0;
@@ -196,17 +295,17 @@ int division_decode(const uint8_t *packed, const uint16_t *lfc, const float *min
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(+:failed)
     {
-        float *off = malloc((size_t)w * sizeof(float));
+        float *row = malloc((size_t)w * sizeof(float));
+        float *up = malloc((size_t)hw * sizeof(float));
         uint8_t *cbuf = malloc((size_t)hw);
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < maps; m++) {
-            if (!off || !cbuf) {
+            if (!row || !up || !cbuf) {
                 failed += 1;
                 continue;
             }
-            const uint16_t *lm = lfc + m * hb * wb;
             const float mn = minimum[m], sc = scale[m];
-            float *om = out + m * hw;
+            float *restrict om = out + m * hw;
             if (aligned) {
                 unpack_aligned(packed + ((m * hw) >> shift), hw, bits, cbuf);
             } else {
@@ -215,18 +314,34 @@ int division_decode(const uint8_t *packed, const uint16_t *lfc, const float *min
                     cbuf[e] = (packed[idx >> shift] >> (bits * (idx & per_mask))) & mask;
                 }
             }
-            for (int64_t i = 0; i < hb; i++) {
-                const int64_t h0 = i * bh, h1 = h0 + bh < h ? h0 + bh : h;
-                for (int64_t j = 0; j < wb; j++) {
-                    const float o = mn + bf16_to_f32(lm[i * wb + j]);
-                    const int64_t w0 = j * bw, w1 = w0 + bw < w ? w0 + bw : w;
-                    for (int64_t c = w0; c < w1; c++) off[c] = o;
+            if (lfc && w >= 16) {  /* wide rows: one upsampled row per block row, no map-sized buffer */
+                const uint16_t *lm = lfc + m * nblocks;
+                const int64_t wb = (w + bw - 1) / bw;
+                for (int64_t i = 0; i * bh < h; i++) {
+                    const int64_t h0 = i * bh, h1 = h0 + bh < h ? h0 + bh : h;
+                    for (int64_t j = 0; j < wb; j++) {
+                        const float o = mn + bf16_to_f32(lm[i * wb + j]);
+                        const int64_t w0 = j * bw, w1 = w0 + bw < w ? w0 + bw : w;
+                        for (int64_t c = w0; c < w1; c++) row[c] = o;
+                    }
+                    for (int64_t r = h0; r < h1; r++) {
+                        float *restrict orow = om + r * w;
+                        const uint8_t *restrict crow = cbuf + r * w;
+#pragma omp simd
+                        for (int64_t c = 0; c < w; c++) orow[c] = row[c] + (float)crow[c] * sc;
+                    }
                 }
-                for (int64_t r = h0; r < h1; r++)
-                    for (int64_t c = 0; c < w; c++) om[r * w + c] = off[c] + (float)cbuf[r * w + c] * sc;
+            } else if (lfc) {  /* small maps: one flat loop over the map */
+                upsample_map(lfc + m * nblocks, h, w, bh, bw, mn, row, up);
+#pragma omp simd
+                for (int64_t e = 0; e < hw; e++) om[e] = up[e] + (float)cbuf[e] * sc;
+            } else {
+#pragma omp simd
+                for (int64_t e = 0; e < hw; e++) om[e] = mn + (float)cbuf[e] * sc;
             }
         }
-        free(off);
+        free(row);
+        free(up);
         free(cbuf);
     }
     return failed;
