@@ -1,6 +1,11 @@
 """Codec speed: DIVISION (and BLPA's per-layer quantizer) encode and decode on ResNet-50-shaped
-activations, compiled kernel vs the pure-PyTorch reference path. Prints elements per second and writes them
-with provenance to results/codec/codec_<device>.json; a measurement, not a test.
+activations, compiled kernel vs the pure-PyTorch reference path, each beside ``y.copy_(x)`` into a preallocated
+tensor of the same shape (the memory-speed yardstick). Prints elements per second and the ratio to copy speed
+and writes them with provenance to results/codec/codec_<device>.json; a measurement, not a test.
+
+Like the training runner after its measured steps, it lets glibc reuse freed blocks under 32 MiB
+(``memory.reuse_freed_memory``), so a decode's output comes from the heap instead of fresh pages;
+``--glibc-default`` leaves the allocator as it starts.
 
     python scripts/bench_codec.py --batch 8 --repeats 5
 """
@@ -11,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from division import results
+from division import memory, results
 from division.codecs import BlpaCodec, DivisionCodec
 
 SHAPES = [(256, 56, 56), (64, 112, 112), (1024, 14, 14), (2048, 7, 7)]  # channels, height, width
@@ -34,10 +39,13 @@ def main(argv=None):
     p.add_argument("--block", type=int, default=8)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out", default=str(results.ROOT / "results" / "codec" / "codec_cpu.json"))
+    p.add_argument("--glibc-default", action="store_true", help="do not change glibc's mmap threshold")
     args = p.parse_args(argv)
+    malloc = "glibc default" if args.glibc_default else ("heap reuse below 32 MiB" if memory.reuse_freed_memory()
+                                                         else "glibc default (mallopt unavailable)")
     print(f"threads {torch.get_num_threads()}, batch {args.batch}, {args.bits}-bit HFC, block {args.block}; "
-          "median of", args.repeats)
-    print(f"{'codec':>8} {'shape':>18} {'backend':>9} {'encode ms':>10} {'Gelem/s':>8} {'decode ms':>10} {'Gelem/s':>8}")
+          "median of", args.repeats, "; malloc:", malloc)
+    print(f"{'codec':>8} {'shape':>18} {'backend':>9} {'encode ms':>10} {'Gelem/s':>8} {'decode ms':>10} {'Gelem/s':>8} {'enc/copy':>8} {'dec/copy':>8}")
     torch.manual_seed(0)
     rows = []
     for c, h, w in SHAPES:
@@ -59,12 +67,14 @@ def main(argv=None):
                 dec = timed(packed.decode, args.repeats)
                 rows.append({"codec": name, "shape": [args.batch, c, h, w], "backend": packed.backend,
                              "encode_ms": enc * 1e3, "encode_gelem_s": x.numel() / enc / 1e9,
-                             "decode_ms": dec * 1e3, "decode_gelem_s": x.numel() / dec / 1e9})
+                             "decode_ms": dec * 1e3, "decode_gelem_s": x.numel() / dec / 1e9,
+                             "encode_vs_copy": copy / enc, "decode_vs_copy": copy / dec})
                 r = rows[-1]
                 print(f"{name:>8} {str(tuple(r['shape'])):>18} {r['backend']:>9} {r['encode_ms']:10.1f} "
-                      f"{r['encode_gelem_s']:8.2f} {r['decode_ms']:10.1f} {r['decode_gelem_s']:8.2f}", flush=True)
+                      f"{r['encode_gelem_s']:8.2f} {r['decode_ms']:10.1f} {r['decode_gelem_s']:8.2f} "
+                      f"{r['encode_vs_copy']:8.2f} {r['decode_vs_copy']:8.2f}", flush=True)
     results.write_json(Path(args.out), {"status": "ok", "threads": torch.get_num_threads(), "bits": args.bits,
-                                        "block": args.block, "repeats": args.repeats, "rows": rows,
+                                        "block": args.block, "repeats": args.repeats, "malloc": malloc, "rows": rows,
                                         **results.provenance(torch.device("cpu"))})
     print(f"wrote {results.relative_to_root(args.out)}")
 

@@ -7,7 +7,6 @@ import argparse
 import csv
 import io
 import json
-import math
 import statistics
 import sys
 from collections import defaultdict
@@ -17,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from division import results  # noqa: E402
+from division.analysis import mean_interval  # noqa: E402
 METHOD_ORDER = ["fp", "checkpoint", "swap", "blpa", "actnn", "division", "division_nolfc"]
 PAPER_NAMES = {"fp": "vanilla", "checkpoint": "checkpoint", "blpa": "blpa", "actnn": "actnn", "division": "division"}
 GB = 1024 ** 3
@@ -286,16 +286,6 @@ def _plot_throughput(ok, path):
     _save(plt, fig, path)
 
 
-# two-sided 95 % quantiles of Student's t by degrees of freedom (beyond 30: the normal 1.96)
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
-        20: 2.086, 25: 2.060, 30: 2.042}
-
-
-def t975(dof: int) -> float:
-    return T975.get(dof) or (T975[max(k for k in T975 if k <= dof)] if dof <= 30 else 1.96)
-
-
 def paired_differences(ok, method: str, baseline: str):
     """Per-seed top-1 differences method - baseline over the seeds both have (paired by seed), their mean and
     95 % t interval (n-1 degrees of freedom); None where fewer than two pairs exist."""
@@ -305,9 +295,8 @@ def paired_differences(ok, method: str, baseline: str):
     diffs = [a[s] - b[s] for s in seeds]
     if len(diffs) < 2:
         return seeds, diffs, None, None
-    mean = statistics.mean(diffs)
-    half = t975(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
-    return seeds, diffs, mean, (mean - half, mean + half)
+    mean, interval = mean_interval(diffs)
+    return seeds, diffs, mean, interval
 
 
 def paired_table(ok, out: Path, experiment: str):

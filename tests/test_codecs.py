@@ -261,3 +261,34 @@ def test_no_compiler_falls_back_to_pytorch(tmp_path):
     assert "compiled DIVISION kernels unavailable" in proc.stderr
     result = json.loads(next(Path(tmp_path, "outputs", "runs").rglob("result.json")).read_text())
     assert set(result["codec_backends"]) == {"reference"}
+
+
+@pytest.mark.parametrize("backend", ["reference", "compiled"])
+@pytest.mark.parametrize("make", [lambda b: DivisionCodec(hfc_bits=2, backend=b, stat_dtype="bf16"),
+                                  lambda b: PerChannelCodec(bits=2, backend=b, stat_dtype="bf16")])
+def test_bf16_statistics_unbiased_and_smaller(make, backend):
+    """16-bit per-map statistics: 4 bytes less per map, the stored range covers the map (minimum rounded
+    down, scale up), decode uses exactly the stored values, and stochastic rounding stays unbiased."""
+    if backend == "compiled":
+        _compiled_or_skip()
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 7, 7) * 3 + 1
+    codec = make(backend)
+    p = codec.encode(x)
+    q = p.hfc if hasattr(p, "hfc") else p.q
+    assert p.backend == backend and q.minimum.dtype == q.scale.dtype == torch.bfloat16
+    wide = DivisionCodec(hfc_bits=2, backend=backend) if isinstance(codec, DivisionCodec) else PerChannelCodec(
+        bits=2, backend=backend)
+    assert wide.encode(x).nbytes() - p.nbytes() == 2 * 3 * 4
+    y = p.decode()
+    step = q.scale.float().view(2, 3, 1, 1)
+    assert ((y - x).abs() <= step * 1.001 + 1e-5).all()
+    draws = 300
+    mean = sum(codec.encode(x).decode() for _ in range(draws)) / draws
+    single = (p.decode() - x).pow(2).mean().sqrt()
+    assert (mean - x).pow(2).mean().sqrt() < 4 * single / math.sqrt(draws)
+
+
+def test_bad_stat_dtype():
+    with pytest.raises(ValueError, match="stat_dtype='fp16' is invalid; valid choices"):
+        DivisionCodec(stat_dtype="fp16")

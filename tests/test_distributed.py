@@ -38,7 +38,6 @@ def test_multirun_two_jobs(tmp_path):
 def test_slurm_launcher_composes():
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher",
                         reason="hydra-submitit-launcher not installed (pip install -e '.[slurm]')")
-    from conftest import compose
     from hydra import compose as hydra_compose, initialize_config_dir
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "configs")):
         cfg = hydra_compose(config_name="train", overrides=["hydra/launcher=slurm"], return_hydra_config=True)

@@ -290,7 +290,7 @@ def test_reuse_relu_mask_applies_to_inplace_relu_outputs():
 def test_reuse_relu_mask_zeros_exact(reuse):
     """With reuse_relu_mask, a rebuilt ReLU output is exactly 0 wherever the ReLU output was 0 (without it,
     the quantization error leaves non-zeros there: the test can tell the two apart)."""
-    from division.compress import _ReLUFn
+    from division.compress.pointwise import _ReLUFn
     torch.manual_seed(0)
     method = build({"name": "division", "reuse_relu_mask": reuse})
     policy = method.policy

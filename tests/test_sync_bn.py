@@ -1,5 +1,4 @@
 """Compressed SyncBatchNorm: two gloo ranks on half batches equal one process on the whole batch."""
-import copy
 
 import torch
 import torch.distributed as dist

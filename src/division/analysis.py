@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from division.codecs import Bf16Copy, FullCopy
+from division.codecs import FullCopy
 from division.codecs.division import block_average, lfc_blocks, upsample_blocks
 from division.methods.compressed import PolicyMethod
 
@@ -91,3 +91,25 @@ def gradient_error(model: nn.Module, method, x: torch.Tensor, y: torch.Tensor, d
 
 def mean_over_layers(errors: Dict[str, dict], key: str) -> float:
     return sum(e[key] for e in errors.values()) / max(1, len(errors))
+
+
+# two-sided 95 % quantiles of Student's t by degrees of freedom (beyond 30: the normal 1.96)
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+        20: 2.086, 25: 2.060, 30: 2.042}
+
+
+def t975(dof: int) -> float:
+    return T975.get(dof) or (T975[max(k for k in T975 if k <= dof)] if dof <= 30 else 1.96)
+
+
+def mean_interval(values):
+    """Mean and 95 % t interval (n-1 degrees of freedom) of independent values; interval None below two."""
+    import math
+    import statistics
+    values = list(values)
+    mean = statistics.mean(values)
+    if len(values) < 2:
+        return mean, None
+    half = t975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, (mean - half, mean + half)

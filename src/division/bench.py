@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from division import engine, methods, results
 from division.memory import PeakMeter, release_freed_memory, reuse_freed_memory

@@ -18,8 +18,43 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
-from division.compress import TensorIds, storage_key
+from division.codecs.quant import storage_key
+
+
+@dataclass
+class SaveRecord:
+    """What one layer holds for backward in the last training forward."""
+
+    layer: str
+    kind: str
+    codec: str
+    shape: tuple
+    fp_bytes: int
+    held: List[tuple] = field(default_factory=list)  # (storage key, nbytes) of tensors held
+    fp_key: Optional[tuple] = None  # storage of the full-precision tensor plain autograd would hold
+    shared: bool = False  # served from a tensor another layer already saved
+    backend: str = ""  # the codec implementation that encoded it ("" when nothing was encoded)
+
+
+class TensorIds:
+    """Identity of a storage during one forward: its address plus a generation that changes when the storage
+    first seen there has been freed, so a freed address reused by a new tensor is not taken for the old one.
+    Holds only weak references: measuring identity keeps no memory alive."""
+
+    def __init__(self):
+        self._table: Dict[tuple, tuple] = {}
+        self._next = 0
+
+    def __call__(self, t: torch.Tensor) -> tuple:
+        key = storage_key(t)
+        entry = self._table.get(key)
+        if entry is not None and not entry[0].expired():
+            return key + (entry[1],)
+        self._next += 1
+        self._table[key] = (StorageWeakRef(t.untyped_storage()), self._next)
+        return key + (self._next,)
 
 
 @dataclass

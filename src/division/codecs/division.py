@@ -10,17 +10,18 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from division.codecs.quant import (BACKENDS, Bf16Copy, Packed, QuantizedTensor, check_backend, check_bits,
-                                   decode_rows_compiled, encode_maps_compiled, kernel_library, quantize_per_row,
-                                   quantize_rows_triton, use_triton)
+from division.codecs.quant import (STAT_DTYPES, Bf16Copy, Packed, QuantizedTensor, check_backend, check_bits,
+                                   check_stat_dtype, decode_rows_compiled, encode_maps_compiled, kernel_library,
+                                   quantize_per_row, quantize_rows_triton, use_triton)
 
 LFC_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _encode_compiled(lib, x: torch.Tensor, block_hw, bits: int, stochastic: bool) -> Optional["DivisionPacked"]:
+def _encode_compiled(lib, x: torch.Tensor, block_hw, bits: int, stochastic: bool,
+                     stat_bf16: bool = False) -> Optional["DivisionPacked"]:
     """The fused CPU kernel (division/kernels); None when a map holds NaN or Inf."""
     n, c, h, w = x.shape
-    encoded = encode_maps_compiled(x, n * c, h, w, block_hw, bits, stochastic, lib=lib)
+    encoded = encode_maps_compiled(x, n * c, h, w, block_hw, bits, stochastic, lib=lib, stat_bf16=stat_bf16)
     if encoded is None:
         return None
     lfc, q = encoded
@@ -106,8 +107,9 @@ class DivisionCodec:
     that LFC plus HFC plus statistics would take as many bytes as bf16, are held in bf16."""
 
     def __init__(self, block_size: int = 8, hfc_bits: int = 2, lfc_dtype: str = "bf16", min_numel: int = 0,
-                 stochastic: bool = True, backend: str = "auto"):
+                 stochastic: bool = True, backend: str = "auto", stat_dtype: str = "fp32"):
         self.backend = check_backend(backend)
+        self.stat_dtype = check_stat_dtype(stat_dtype)
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size={block_size!r} is invalid; it must be an integer >= 1 (paper: 8)")
         if lfc_dtype not in LFC_DTYPES:
@@ -127,14 +129,14 @@ class DivisionCodec:
         block_hw = lfc_blocks(h, w, self.block_size)
         if h * w == 1 or x.numel() < self.min_numel or self.map_nbytes(h, w) >= 2 * h * w:
             return Bf16Copy.encode(x)
-        if use_triton(x, self.backend):
+        if self.stat_dtype == "fp32" and use_triton(x, self.backend):
             lfc = self._lfc(x, block_hw)  # in x's dtype (no fp32 copy); a NaN or Inf flags its map on the device
             q = quantize_rows_triton(x.reshape(n * c, h * w), self.hfc_bits, self.stochastic, lfc=lfc,
                                      map_hw=(h, w), block_hw=block_hw)
             return DivisionPacked(lfc, q, block_hw, x.shape, x.dtype)
         lib = self._compiled_library(x)
         if lib is not None:
-            packed = _encode_compiled(lib, x, block_hw, self.hfc_bits, self.stochastic)
+            packed = _encode_compiled(lib, x, block_hw, self.hfc_bits, self.stochastic, self.stat_dtype == "bf16")
             if packed is not None:
                 return packed
         xf = x.float()
@@ -150,7 +152,8 @@ class DivisionCodec:
             lfc = self._lfc(xf, block_hw)
         hfc = xf.clone() if xf is x else xf.contiguous()
         add_blocks_(hfc, lfc, block_hw, sign=-1.0)
-        q = quantize_per_row(hfc.reshape(n * c, h * w), self.hfc_bits, self.stochastic, backend=self.backend)
+        q = quantize_per_row(hfc.reshape(n * c, h * w), self.hfc_bits, self.stochastic, backend=self.backend,
+                             stat_dtype=self.stat_dtype)
         return DivisionPacked(lfc, q, block_hw, x.shape, x.dtype, bad_index, bad_value)
 
     def _compiled_library(self, x: torch.Tensor):
@@ -159,10 +162,10 @@ class DivisionCodec:
         return kernel_library(self.backend) if ok else None
 
     def map_nbytes(self, height: int, width: int) -> float:
-        """Bytes DIVISION holds per (sample, channel) map: LFC, packed HFC, fp32 minimum and scale."""
+        """Bytes DIVISION holds per (sample, channel) map: LFC, packed HFC, minimum and scale."""
         bh, bw = lfc_blocks(height, width, self.block_size)
         lfc = -(-height // bh) * -(-width // bw) * self.lfc_dtype.itemsize
-        return lfc + height * width * self.hfc_bits / 8 + 8
+        return lfc + height * width * self.hfc_bits / 8 + 2 * STAT_DTYPES[self.stat_dtype].itemsize
 
     def _lfc(self, xf: torch.Tensor, block_hw) -> torch.Tensor:
         lfc = block_average(xf, block_hw)

@@ -3,7 +3,8 @@ from dataclasses import dataclass
 
 import torch
 
-from division.codecs.quant import Bf16Copy, Packed, QuantizedTensor, check_backend, check_bits, quantize_per_row
+from division.codecs.quant import (STAT_DTYPES, Bf16Copy, Packed, QuantizedTensor, check_backend, check_bits,
+                                   check_stat_dtype, quantize_per_row)
 
 
 @dataclass(eq=False)
@@ -31,8 +32,10 @@ class GroupwiseCodec:
     """ActNN's L2 level (Chen et al., 2021): each sample's activation, flattened, is cut into groups of
     ``group_size`` contiguous elements; every group gets its own minimum and range; stochastic rounding."""
 
-    def __init__(self, bits: int = 2, group_size: int = 256, stochastic: bool = True, backend: str = "auto"):
+    def __init__(self, bits: int = 2, group_size: int = 256, stochastic: bool = True, backend: str = "auto",
+                 stat_dtype: str = "fp32"):
         self.backend = check_backend(backend)
+        self.stat_dtype = check_stat_dtype(stat_dtype)
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size={group_size!r} is invalid; it must be an integer >= 1 (ActNN: 256)")
         self.bits = check_bits(bits)
@@ -45,15 +48,18 @@ class GroupwiseCodec:
         pad = (-flat.shape[1]) % self.group_size
         if pad:  # repeat the last element, so padding never widens a group's range
             flat = torch.cat([flat, flat[:, -1:].expand(n, pad)], dim=1)
-        q = quantize_per_row(flat.reshape(-1, self.group_size), self.bits, self.stochastic, backend=self.backend)
+        q = quantize_per_row(flat.reshape(-1, self.group_size), self.bits, self.stochastic, backend=self.backend,
+                             stat_dtype=self.stat_dtype)
         return ReshapedQuantized(q, x.shape, n)
 
 
 class PerChannelCodec:
     """A plain per-(sample, channel) quantizer: DIVISION without its LFC, at the same bits (an ablation)."""
 
-    def __init__(self, bits: int = 2, stochastic: bool = True, min_numel: int = 0, backend: str = "auto"):
+    def __init__(self, bits: int = 2, stochastic: bool = True, min_numel: int = 0, backend: str = "auto",
+                 stat_dtype: str = "fp32"):
         self.backend = check_backend(backend)
+        self.stat_dtype = check_stat_dtype(stat_dtype)
         self.bits = check_bits(bits)
         self.stochastic = stochastic
         self.min_numel = min_numel
@@ -62,9 +68,11 @@ class PerChannelCodec:
         if x.dim() != 4:
             raise ValueError(f"PerChannelCodec expects (N, C, H, W); got shape {tuple(x.shape)}")
         n, c, h, w = x.shape
-        if h * w == 1 or x.numel() < self.min_numel or h * w * self.bits / 8 + 8 >= 2 * h * w:
+        stat_bytes = 2 * STAT_DTYPES[self.stat_dtype].itemsize
+        if h * w == 1 or x.numel() < self.min_numel or h * w * self.bits / 8 + stat_bytes >= 2 * h * w:
             return Bf16Copy.encode(x)
-        q = quantize_per_row(x.reshape(n * c, h * w), self.bits, self.stochastic, backend=self.backend)
+        q = quantize_per_row(x.reshape(n * c, h * w), self.bits, self.stochastic, backend=self.backend,
+                             stat_dtype=self.stat_dtype)
         return ReshapedQuantized(q, x.shape)
 
 

@@ -31,7 +31,6 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: a flat uint8 tensor of ``numel`` codes."""
     if bits == 8:
         return packed[:numel]
-    per_byte = 8 // bits
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     mask = (1 << bits) - 1
     codes = (packed.unsqueeze(1) >> shifts) & mask

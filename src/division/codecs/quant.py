@@ -13,6 +13,29 @@ from division.codecs.packing import pack_bits, packed_nbytes, unpack_bits
 
 VALID_BITS = (1, 2, 4, 8)
 BACKENDS = ("auto", "reference", "compiled", "triton")
+STAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def check_stat_dtype(stat_dtype) -> str:
+    """The dtype of the per-row minimum and scale. fp16 is not offered: its range (+-65504, scales below
+    6e-8 flush to zero) cannot hold every activation's statistics; bf16 keeps fp32's exponent range."""
+    if stat_dtype not in STAT_DTYPES:
+        raise ValueError(f"stat_dtype={stat_dtype!r} is invalid; valid choices: {list(STAT_DTYPES)}")
+    return stat_dtype
+
+
+def bf16_outward(mn: torch.Tensor, mx: torch.Tensor, levels: int):
+    """bf16 minimum rounded down and scale rounded up (float32 tensors holding bf16 values), so that the
+    stored range still covers [mn, mx] and stochastic rounding with them stays unbiased; the decode uses
+    exactly the values the encode used. Same bit arithmetic as the CPU kernel."""
+    def truncate(t, away):
+        u = t.float().contiguous().view(torch.int32)
+        kept = u & -65536  # 0xFFFF0000: sign, exponent and the top 7 mantissa bits
+        return (kept + torch.where(away & (kept != u), 65536, 0).to(torch.int32)).view(torch.float32)
+
+    low = truncate(mn, mn < 0)  # truncation is toward zero: a negative minimum takes one more unit
+    scale = (mx - low) / levels
+    return low, truncate(scale, torch.ones_like(scale, dtype=torch.bool))
 
 
 def check_backend(backend) -> str:
@@ -128,15 +151,19 @@ class QuantizedTensor(Packed):
 
 def quantize_per_row(x2d: torch.Tensor, bits: int, stochastic: bool = True,
                      minimum: Optional[torch.Tensor] = None, maximum: Optional[torch.Tensor] = None,
-                     generator: Optional[torch.Generator] = None, backend: str = "auto") -> QuantizedTensor:
+                     generator: Optional[torch.Generator] = None, backend: str = "auto",
+                     stat_dtype: str = "fp32") -> QuantizedTensor:
     """Quantize each row of a 2-D tensor to ``bits`` bits between its minimum and maximum.
 
     Stochastic rounding (floor(v + u), u ~ U[0,1)) makes the decoded value unbiased. A constant row has
     scale 0 and decodes exactly. ``minimum``/``maximum`` (one per row, or one for all rows) override the row
-    statistics; values outside them are clamped (BLPA's per-layer range uses this).
+    statistics; values outside them are clamped (BLPA's per-layer range uses this). ``stat_dtype='bf16'``
+    holds each row's minimum and scale in 16 bits (rounded outward, used as stored by encode and decode;
+    CPU kernel or PyTorch, not Triton).
     """
     rows, row_len = x2d.shape
-    if use_triton(x2d, check_backend(backend)):
+    stat_bf16 = check_stat_dtype(stat_dtype) == "bf16"
+    if not stat_bf16 and use_triton(x2d, check_backend(backend)):
         if minimum is None and maximum is None:
             return quantize_rows_triton(x2d, bits, stochastic, generator)
         if minimum.numel() == 1 and maximum.numel() == 1:
@@ -144,10 +171,10 @@ def quantize_per_row(x2d: torch.Tensor, bits: int, stochastic: bool = True,
     if x2d.device.type == "cpu" and x2d.dtype in (torch.float32, torch.bfloat16):
         lib = kernel_library(check_backend(backend))
         if lib is not None:
-            fast = _quantize_rows_compiled(lib, x2d, bits, stochastic, generator, minimum, maximum)
+            fast = _quantize_rows_compiled(lib, x2d, bits, stochastic, generator, minimum, maximum, stat_bf16)
             if fast is not None:
                 return fast
-    return quantize_rows_reference(x2d, bits, stochastic, minimum, maximum, generator)
+    return quantize_rows_reference(x2d, bits, stochastic, minimum, maximum, generator, stat_bf16)
 
 
 def quantize_rows_triton(x2d, bits, stochastic=True, generator=None, lfc=None, map_hw=None, block_hw=None,
@@ -160,7 +187,8 @@ def quantize_rows_triton(x2d, bits, stochastic=True, generator=None, lfc=None, m
     return QuantizedTensor(packed, mn, scale, bits, rows, row_len, x2d.dtype, backend="triton", bad_rows=bad)
 
 
-def quantize_rows_reference(x2d, bits, stochastic=True, minimum=None, maximum=None, generator=None):
+def quantize_rows_reference(x2d, bits, stochastic=True, minimum=None, maximum=None, generator=None,
+                            stat_bf16=False):
     """The readable pure-PyTorch quantizer that every accelerated path is tested against."""
     rows, row_len = x2d.shape
     levels = (1 << bits) - 1
@@ -181,7 +209,10 @@ def quantize_rows_reference(x2d, bits, stochastic=True, minimum=None, maximum=No
         mn = torch.where(no_finite, torch.zeros_like(mn), mn)
         mx = torch.where(no_finite, torch.zeros_like(mx), mx)
         xf = torch.where(finite, xf, mn.unsqueeze(1))
-    scale = (mx - mn) / levels
+    if stat_bf16 and minimum is None:
+        mn, scale = bf16_outward(mn, mx, levels)
+    else:
+        scale = (mx - mn) / levels
     inv_scale = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     v = (xf - mn.unsqueeze(1)).mul_(inv_scale.unsqueeze(1))
     if stochastic:
@@ -191,11 +222,13 @@ def quantize_rows_reference(x2d, bits, stochastic=True, minimum=None, maximum=No
     codes = v.clamp_(0, levels).to(torch.uint8)
     if minimum is not None and minimum.numel() == 1 and bad_index is None:
         mn, scale = mn[:1], scale[:1]  # one shared range (BLPA) is held once
+    if stat_bf16 and minimum is None:
+        mn, scale = mn.to(torch.bfloat16), scale.to(torch.bfloat16)  # exact: they hold bf16 values
     return QuantizedTensor(pack_bits(codes, bits), mn.contiguous(), scale.contiguous(), bits, rows, row_len,
                            x2d.dtype, bad_index, bad_value)
 
 
-def _quantize_rows_compiled(lib, x2d, bits, stochastic, generator, minimum=None, maximum=None):
+def _quantize_rows_compiled(lib, x2d, bits, stochastic, generator, minimum=None, maximum=None, stat_bf16=False):
     """The fused CPU kernel without an LFC (rows as 1 x n maps); None if a row (or the given range) is not
     finite. A given range is shared by all rows and is held once."""
     rows, row_len = x2d.shape
@@ -209,15 +242,16 @@ def _quantize_rows_compiled(lib, x2d, bits, stochastic, generator, minimum=None,
             return None
         fixed = (mn, (mx - mn) / levels)
     encoded = encode_maps_compiled(x2d, rows, 1, row_len, None, bits, stochastic, generator, lib=lib,
-                                   fixed_range=fixed)
+                                   fixed_range=fixed, stat_bf16=stat_bf16 and fixed is None)
     return None if encoded is None else encoded[1]
 
 
 def encode_maps_compiled(x: torch.Tensor, maps: int, h: int, w: int, block_hw, bits: int, stochastic: bool,
-                         generator=None, lib=None, fixed_range=None):
+                         generator=None, lib=None, fixed_range=None, stat_bf16=False):
     """``x`` as ``maps`` maps of h x w through the fused CPU kernel: (bf16 LFC of ``block_hw`` blocks, or None
     without blocks; the b-bit HFC). None when a map holds NaN or Inf, which the reference path keeps exactly.
-    ``fixed_range`` = (minimum, scale), one element each: every map uses it (values outside are clamped)."""
+    ``fixed_range`` = (minimum, scale), one element each: every map uses it (values outside are clamped).
+    ``stat_bf16``: per-map minimum and scale held in bf16 (rounded outward by the kernel)."""
     if lib is None:
         lib = kernel_library("compiled")
     xc = x.float().contiguous()
@@ -237,13 +271,16 @@ def encode_maps_compiled(x: torch.Tensor, maps: int, h: int, w: int, block_hw, b
     threads = torch.get_num_threads()
     bad = lib.division_encode(xc.data_ptr(), maps, h, w, bh, bw, bits, seed, int(stochastic),
                               None if lfc is None else lfc.data_ptr(), minimum.data_ptr(), scale.data_ptr(),
-                              codes.data_ptr(), packed.data_ptr(), threads, int(fixed_range is not None))
+                              codes.data_ptr(), packed.data_ptr(), threads, int(fixed_range is not None),
+                              int(stat_bf16))
     if bad:
         return None
     if not aligned:
         lib.pack_codes(codes.data_ptr(), numel, bits, packed.data_ptr(), threads)
     if fixed_range is not None:
         minimum, scale = fixed_range[0].clone(), fixed_range[1].clone()
+    elif stat_bf16:
+        minimum, scale = minimum.to(torch.bfloat16), scale.to(torch.bfloat16)  # exact: the kernel rounded them
     return lfc, QuantizedTensor(packed, minimum, scale, bits, maps, h * w, x.dtype, backend="compiled")
 
 
@@ -252,7 +289,7 @@ def decode_rows_compiled(q: "QuantizedTensor", lfc=None, map_hw=None, block_hw=N
     from division import kernels
     h, w = map_hw or (1, q.row_len)
     bh, bw = block_hw or (1, w)
-    minimum, scale = (t.expand(q.rows).contiguous() for t in (q.minimum, q.scale))  # a shared range is held once
+    minimum, scale = (t.float().expand(q.rows).contiguous() for t in (q.minimum, q.scale))  # shared range: held once
     out = torch.empty((q.rows, q.row_len), dtype=torch.float32)
     failed = kernels.library().division_decode(
         q.packed.data_ptr(), None if lfc is None else lfc.data_ptr(), minimum.data_ptr(), scale.data_ptr(), q.rows,

@@ -21,6 +21,26 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
+/* Directed rounding to bf16 (returned as float): the stored minimum rounds down and the stored scale up,
+ * so that the 16-bit range still covers the map's values (stochastic rounding stays unbiased). */
+static inline float bf16_down(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t t = u & 0xFFFF0000u;
+    if (t != u && (u >> 31)) t += 0x10000u;  /* negative: one more unit of magnitude */
+    memcpy(&f, &t, 4);
+    return f;
+}
+
+static inline float bf16_up(float f) {  /* f >= 0 */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t t = u & 0xFFFF0000u;
+    if (t != u) t += 0x10000u;
+    memcpy(&f, &t, 4);
+    return f;
+}
+
 static inline uint64_t splitmix64(uint64_t z) {
     z += 0x9E3779B97F4A7C15ull;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -146,9 +166,10 @@ static void upsample_map(const uint16_t *restrict lm, int64_t h, int64_t w, int6
  * reference path, which keeps such values exactly. */
 int division_encode(const float *x, int64_t maps, int64_t h, int64_t w, int64_t bh, int64_t bw, int bits,
                     uint64_t seed, int stochastic, uint16_t *lfc, float *minimum, float *scale, uint8_t *codes,
-                    uint8_t *packed, int threads, int fixed_range) {
+                    uint8_t *packed, int threads, int fixed_range, int stat_bf16) {
     /* lfc == NULL: no low-frequency component (a plain per-map quantizer; maps of 1 x n are rows).
      * fixed_range: minimum[m] and scale[m] are inputs (one range for many maps, BLPA), not outputs.
+     * stat_bf16: the minimum and scale written (and used for the codes) are bf16 values, rounded outward.
      * Maps whose codes fill whole bytes are packed here into ``packed``; otherwise codes go to ``codes``
      * (one byte each) and the caller packs them with pack_codes. After the block sums, every pass is a flat
      * loop over the map's h*w elements (upsampled LFC, HFC with its range and a non-finite flag, codes),
@@ -221,11 +242,17 @@ int division_encode(const float *x, int64_t maps, int64_t h, int64_t w, int64_t 
                 bad += 1;
                 continue;
             }
-            float sc = (mx - mn) / levels;
+            float sc;
             if (fixed_range) {
                 mn = minimum[m];
                 sc = scale[m];
             } else {
+                if (stat_bf16) {
+                    mn = bf16_down(mn);
+                    sc = bf16_up((mx - mn) / levels);
+                } else {
+                    sc = (mx - mn) / levels;
+                }
                 minimum[m] = mn;
                 scale[m] = sc;
             }

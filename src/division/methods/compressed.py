@@ -18,11 +18,11 @@ class PolicyMethod(Method, metaclass=ABCMeta):
     exact in all of them."""
 
     def __init__(self, name=None, layers=compress.LAYER_KINDS, reuse_relu_mask: bool = False,
-                 backend: str = "auto"):
+                 backend: str = "auto", fuse_bn_relu: bool = False):
         super().__init__(name)
         self.layers = compress.check_layer_kinds(layers)
         self.backend = backend
-        self.policy = compress.SavePolicy(self.choose, self.layers, reuse_relu_mask, backend)
+        self.policy = compress.SavePolicy(self.choose, self.layers, reuse_relu_mask, backend, fuse_bn_relu)
 
     @abstractmethod
     def choose(self, kind: str, x: torch.Tensor):
@@ -56,23 +56,35 @@ def token_grid(model: nn.Module):
 
 class Division(PolicyMethod):
     """DIVISION: block-average LFC in bf16 plus a b-bit per-(sample, channel) HFC. With ``lfc=False`` it is
-    the plain per-channel quantizer at the same bits (the ablation that asks what the LFC buys)."""
+    the plain per-channel quantizer at the same bits (the ablation that asks what the LFC buys).
+
+    Per-layer policy (beyond the paper): maps of at most ``small_map_elems`` elements (7x7 and 14x14 with
+    256) go to ActNN-style groups of ``small_map_group`` elements, where DIVISION's per-map statistics and
+    LFC cost most per element; 0 turns it off."""
 
     name = "division"
 
     def __init__(self, name=None, block_size: int = 8, hfc_bits: int = 2, lfc_dtype: str = "bf16",
                  min_numel: int = 0, lfc: bool = True, reuse_relu_mask: bool = False,
-                 layers=compress.LAYER_KINDS, stochastic: bool = True, backend: str = "auto"):
+                 layers=compress.LAYER_KINDS, stochastic: bool = True, backend: str = "auto",
+                 fuse_bn_relu: bool = False, stat_dtype: str = "fp32", small_map_elems: int = 0,
+                 small_map_group: int = 256):
         if lfc:
-            self.codec = DivisionCodec(block_size, hfc_bits, lfc_dtype, min_numel, stochastic, backend)
+            self.codec = DivisionCodec(block_size, hfc_bits, lfc_dtype, min_numel, stochastic, backend, stat_dtype)
         else:
-            self.codec = PerChannelCodec(hfc_bits, stochastic, min_numel, backend)
-        super().__init__(name, layers, reuse_relu_mask, backend)
+            self.codec = PerChannelCodec(hfc_bits, stochastic, min_numel, backend, stat_dtype)
+        if isinstance(small_map_elems, bool) or not isinstance(small_map_elems, int) or small_map_elems < 0:
+            raise ValueError(f"small_map_elems={small_map_elems!r} is invalid; it must be an integer >= 0 (0: off)")
+        self.small_map_elems = small_map_elems
+        self.small_codec = GroupwiseCodec(hfc_bits, small_map_group, stochastic, backend, stat_dtype)
+        super().__init__(name, layers, reuse_relu_mask, backend, fuse_bn_relu)
         self.notes = ["maps with 1x1 spatial size, fewer than min_numel elements, and 2-D inputs are held in "
                       "bf16; token tensors use the patch grid (prefix tokens in bf16) or pool along tokens"]
 
     def choose(self, kind, x):
         if x.dim() == 4:
+            if 1 < x.shape[2] * x.shape[3] <= self.small_map_elems and x.numel() >= self.codec.min_numel:
+                return self.small_codec.encode(x)
             return self.codec.encode(x)
         if x.dim() == 3:
             prefix, grid = self.token_grid if self.token_grid else (0, None)
@@ -86,9 +98,10 @@ class ActNN(PolicyMethod):
     name = "actnn"
 
     def __init__(self, name=None, bits: int = 2, group_size: int = 256, layers=compress.LAYER_KINDS,
-                 stochastic: bool = True, backend: str = "auto"):
+                 stochastic: bool = True, backend: str = "auto",
+                 fuse_bn_relu: bool = False):
         self.codec = GroupwiseCodec(bits, group_size, stochastic, backend)
-        super().__init__(name, layers, backend=backend)
+        super().__init__(name, layers, backend=backend, fuse_bn_relu=fuse_bn_relu)
 
     def choose(self, kind, x):
         return self.codec.encode(x)
@@ -100,9 +113,9 @@ class Blpa(PolicyMethod):
     name = "blpa"
 
     def __init__(self, name=None, bits: int = 4, layers=compress.LAYER_KINDS, stochastic: bool = False,
-                 backend: str = "auto"):
+                 backend: str = "auto", fuse_bn_relu: bool = False):
         self.codec = BlpaCodec(bits, stochastic, backend)
-        super().__init__(name, layers, backend=backend)
+        super().__init__(name, layers, backend=backend, fuse_bn_relu=fuse_bn_relu)
 
     def choose(self, kind, x):
         return self.codec.encode(x)
@@ -116,9 +129,9 @@ class Mesa(PolicyMethod):
     name = "mesa"
 
     def __init__(self, name=None, bits: int = 8, layers=compress.LAYER_KINDS, stochastic: bool = False,
-                 backend: str = "auto"):
+                 backend: str = "auto", fuse_bn_relu: bool = False):
         self.codec = ChannelCodec(bits, stochastic, backend)
-        super().__init__(name, layers, backend=backend)
+        super().__init__(name, layers, backend=backend, fuse_bn_relu=fuse_bn_relu)
 
     def choose(self, kind, x):
         return self.codec.encode(x)

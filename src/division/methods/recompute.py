@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from division.compress import TensorIds, storage_key
+from division.memory import TensorIds, storage_key
 from division.memory import parameter_storages
 from division.methods.base import Method, frozen_batchnorm_stats
 
@@ -74,7 +74,7 @@ class Checkpoint(Method):
         return self._ids
 
     def policy_records(self):
-        from division.compress import SaveRecord
+        from division.memory import SaveRecord
         return [SaveRecord("segment input", "checkpoint", "full", (), fp, [(key[:3], nbytes)], fp_key=key)
                 for key, (nbytes, fp) in self._inputs.items()]
 

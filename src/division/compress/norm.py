@@ -1,0 +1,110 @@
+"""Normalisation layers (batch norm, its synchronised form, layer norm) keeping a compressed input."""
+import torch
+
+class _BatchNorm2dFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, policy, layer):
+        out, save_mean, save_invstd = torch.ops.aten.native_batch_norm(
+            x, weight, bias, running_mean, running_var, True, momentum, eps)
+        ctx.saved = policy.save(x, "bn", layer)
+        ctx.eps = eps
+        ctx.x_dtype = x.dtype
+        ctx.save_for_backward(weight, bias, save_mean, save_invstd)
+        policy.note_bn_output(out, ctx.saved, weight, bias, save_mean, save_invstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, bias, save_mean, save_invstd = ctx.saved_tensors
+        x = ctx.saved.decode().to(ctx.x_dtype)
+        ctx.saved = None
+        mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1],
+                bias is not None and ctx.needs_input_grad[2]]
+        gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
+            grad.contiguous().to(ctx.x_dtype), x, weight, None, None, save_mean, save_invstd, True, ctx.eps, mask)
+        return gx, gw, gb, None, None, None, None, None, None
+
+
+class _SyncBatchNorm2dFn(torch.autograd.Function):
+    """Batch norm over the union of all ranks' batches, keeping a compressed input.
+
+    Forward gathers each rank's (count, mean, M2) in one collective and merges them with Chan's formula
+    (exact, no sum-of-squares cancellation); backward all-reduces the two per-channel sums the input
+    gradient needs. Weight and bias gradients stay local: DDP averages them, as it does for
+    ``nn.SyncBatchNorm``. Works on any backend (gloo on CPU included), unlike PyTorch's own.
+    """
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, group, policy, layer):
+        dims = (0, 2, 3)
+        xf = x.float()
+        count = x.numel() // x.shape[1]
+        local_mean = xf.mean(dims)
+        local_m2 = ((xf - local_mean[None, :, None, None]) ** 2).sum(dims)
+        mine = torch.cat([local_mean.new_tensor([count]), local_mean, local_m2])
+        world = torch.distributed.get_world_size(group)
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        torch.distributed.all_gather(gathered, mine, group=group)
+        stats = torch.stack(gathered)
+        counts, means, m2s = stats[:, :1], stats[:, 1:1 + x.shape[1]], stats[:, 1 + x.shape[1]:]
+        total = counts.sum()
+        mean = (counts * means).sum(0) / total
+        m2 = (m2s + counts * (means - mean) ** 2).sum(0)
+        var = m2 / total
+        invstd = torch.rsqrt(var + eps)
+        if running_mean is not None:
+            with torch.no_grad():
+                running_mean.lerp_(mean.to(running_mean.dtype), momentum)
+                running_var.lerp_((m2 / (total - 1).clamp(min=1)).to(running_var.dtype), momentum)
+        scale = invstd if weight is None else invstd * weight.float()
+        shift = -mean * scale if bias is None else bias.float() - mean * scale
+        out = (xf * scale[None, :, None, None] + shift[None, :, None, None]).to(x.dtype)
+        ctx.saved = policy.save(x, "bn", layer)
+        param_dtype = next((p.dtype for p in (weight, bias) if p is not None), x.dtype)
+        ctx.conf = (x.dtype, param_dtype, group, float(total), weight is not None, bias is not None)
+        ctx.save_for_backward(weight, mean, invstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, mean, invstd = ctx.saved_tensors
+        dtype, param_dtype, group, total, has_weight, has_bias = ctx.conf
+        x = ctx.saved.decode().float()
+        ctx.saved = None
+        g = grad.float()
+        xhat = (x - mean[None, :, None, None]) * invstd[None, :, None, None]
+        del x
+        local = torch.cat([g.sum((0, 2, 3)), (g * xhat).sum((0, 2, 3))])
+        gw = local[mean.numel():].to(param_dtype) if has_weight and ctx.needs_input_grad[1] else None
+        gb = local[:mean.numel()].to(param_dtype) if has_bias and ctx.needs_input_grad[2] else None
+        gx = None
+        if ctx.needs_input_grad[0]:
+            both = local.clone()  # gw and gb are views of ``local`` and must stay this rank's own
+            torch.distributed.all_reduce(both, group=group)
+            mean_g, mean_gxhat = (both / total).split(mean.numel())
+            scale = invstd if weight is None else invstd * weight.float()
+            gx = ((g - mean_g[None, :, None, None] - xhat * mean_gxhat[None, :, None, None])
+                  * scale[None, :, None, None]).to(dtype)
+        return gx, gw, gb, None, None, None, None, None, None, None
+
+
+class _LayerNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shape, weight, bias, eps, policy, layer):
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.float()  # autocast runs layer norm in fp32
+        out, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
+        ctx.saved = policy.save(x, "ln", layer)
+        ctx.shape = shape
+        ctx.save_for_backward(weight, bias, mean, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, bias, mean, rstd = ctx.saved_tensors
+        x = ctx.saved.decode()
+        ctx.saved = None
+        mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[2],
+                bias is not None and ctx.needs_input_grad[3]]
+        gx, gw, gb = torch.ops.aten.native_layer_norm_backward(grad.to(x.dtype), x, ctx.shape, mean, rstd,
+                                                               weight, bias, mask)
+        return gx, None, gw, gb, None, None, None

@@ -1,0 +1,58 @@
+"""Pointwise layers: ReLU and dropout keep exact 1-bit masks, GELU a compressed input."""
+import torch
+import torch.nn.functional as F
+
+from division.codecs.quant import BitMask
+
+
+class _ReLUFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, inplace, policy, layer):
+        fp_bytes, fp_key = x.numel() * x.element_size(), policy.ids(x)
+        bn = policy.bn_output(x)
+        if inplace:
+            y = x.clamp_min_(0)
+            ctx.mark_dirty(x)
+        else:
+            y = x.clamp_min(0)
+        mask = BitMask.positive(y, policy.backend)
+        ctx.mask = mask
+        policy.save_mask(y, mask, "relu", layer, fp_bytes, fp_key if inplace else policy.ids(y))
+        policy.note_relu(x, bn, y, mask, inplace)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = ctx.mask.apply(grad)
+        ctx.mask = None
+        return grad, None, None, None
+
+
+class _DropoutFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, p, policy, layer):
+        keep = torch.rand_like(x, dtype=torch.float32) >= p
+        ctx.mask = BitMask.encode(keep)
+        ctx.scale = 1.0 / (1.0 - p)
+        policy.save_mask(x, ctx.mask, "dropout", layer, x.numel())  # plain dropout keeps a bool per element
+        return x * keep * ctx.scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        keep = ctx.mask.decode().view(grad.shape)
+        ctx.mask = None
+        return grad * keep * ctx.scale, None, None, None
+
+
+class _GeluFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, approximate, policy, layer):
+        ctx.saved = policy.save(x, "gelu", layer)
+        ctx.approximate = approximate
+        return F.gelu(x, approximate=approximate)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x = ctx.saved.decode()
+        ctx.saved = None
+        return torch.ops.aten.gelu_backward(grad, x.to(grad.dtype), approximate=ctx.approximate), None, None, None

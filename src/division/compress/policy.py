@@ -1,0 +1,154 @@
+"""The saving policy: which codec keeps each tensor a layer saves for backward, one copy per tensor, and the
+records of what one training forward held."""
+import weakref
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from division.codecs.quant import BitMask, FullCopy, Packed, check_backend, storage_key
+from division.compress.fused import BnOutput, BnReluInput
+from division.memory import SaveRecord, TensorIds
+
+LAYER_KINDS = ("conv", "bn", "linear", "relu", "maxpool", "dropout", "avgpool", "ln", "gelu", "attn")
+
+
+def check_layer_kinds(kinds) -> tuple:
+    kinds = tuple(kinds)
+    bad = [k for k in kinds if k not in LAYER_KINDS]
+    if bad:
+        raise ValueError(f"unknown layer kind(s) {bad}; valid choices: {list(LAYER_KINDS)}")
+    return kinds
+
+
+class SavePolicy:
+    """Holds a codec choice per tensor and the per-forward bookkeeping (dedup cache and records).
+
+    ``choose(kind, x) -> Packed`` is the method's decision; ``reuse_relu_mask`` multiplies a rebuilt ReLU
+    output by the ReLU's exact mask; ``fuse_bn_relu`` lets a convolution after BatchNorm -> ReLU rebuild its
+    input from the batch norm's saved input (division/compress/fused.py) instead of holding a copy.
+    """
+
+    def __init__(self, choose: Callable[[str, torch.Tensor], Packed], kinds=LAYER_KINDS,
+                 reuse_relu_mask: bool = False, backend: str = "auto", fuse_bn_relu: bool = False):
+        if not isinstance(fuse_bn_relu, bool):
+            raise ValueError(f"fuse_bn_relu={fuse_bn_relu!r} is invalid; valid choices: [True, False]")
+        self.fuse_bn_relu = fuse_bn_relu
+        self._links: Dict[tuple, tuple] = {}
+        self.choose = choose
+        self.backend = check_backend(backend)
+        self.kinds = frozenset(check_layer_kinds(kinds))
+        self.reuse_relu_mask = reuse_relu_mask
+        self._cache: Dict[tuple, tuple] = {}
+        self._masks: Dict[tuple, tuple] = {}
+        self.records: List[SaveRecord] = []
+        self.ids = TensorIds()
+        self.enabled = True
+
+    def begin_forward(self):
+        self._cache = {}
+        self._masks = {}
+        self._links = {}
+        self.records = []
+        self.ids = TensorIds()
+
+    def end_forward(self):
+        self._cache = {}
+        self._masks = {}
+        self._links = {}
+
+    def _link(self, t: torch.Tensor, value, version: int):
+        self._links[self._key(t)[:4]] = (weakref.ref(t), version, value)
+
+    def _linked(self, t: torch.Tensor, kind):
+        entry = self._links.get(self._key(t)[:4])
+        if entry is None or entry[0]() is not t or entry[1] != t._version or not isinstance(entry[2], kind):
+            return None
+        return entry[2]
+
+    def note_bn_output(self, out: torch.Tensor, saved: "Saved", weight, bias, mean, invstd):
+        """A training batch norm's output, for a ReLU that may follow (only with ``fuse_bn_relu``)."""
+        if self.fuse_bn_relu:
+            self._link(out, BnOutput(saved, weight, bias, mean, invstd, out.dtype), out._version)
+
+    def note_relu(self, x: torch.Tensor, bn: Optional[BnOutput], y: torch.Tensor, mask: BitMask, inplace: bool):
+        """Link a ReLU output to the batch norm whose untouched output it consumed (``bn`` from
+        :meth:`bn_output`, looked up before the ReLU ran). An in-place ReLU's output gets one more version
+        bump when its autograd function returns."""
+        if bn is not None:
+            self._link(y, BnReluInput(bn, mask, y.shape), y._version + (1 if inplace else 0))
+
+    def bn_output(self, x: torch.Tensor) -> Optional[BnOutput]:
+        return self._linked(x, BnOutput) if self.fuse_bn_relu else None
+
+    @staticmethod
+    def _key(x: torch.Tensor) -> tuple:
+        return (storage_key(x), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x._version)
+
+    def _relu_mask(self, x: torch.Tensor):
+        entry = self._masks.get(self._key(x)[:4])
+        return entry[1] if entry is not None and entry[0]() is x else None
+
+    def _lookup(self, x: torch.Tensor):
+        hit = self._cache.get(self._key(x))
+        if hit is None or hit[0]() is None:
+            return None
+        return hit
+
+    def save(self, x: torch.Tensor, kind: str, layer: str) -> "Saved":
+        """Compress ``x`` for a layer of ``kind``, or reuse what was saved for the very same tensor."""
+        fused = self._linked(x, BnReluInput) if kind == "conv" and self.fuse_bn_relu else None
+        if fused is not None:
+            self.records.append(SaveRecord(layer, kind, "bn-relu recompute", tuple(x.shape),
+                                           x.numel() * x.element_size(), fp_key=self.ids(x), shared=True))
+            return fused
+        hit = self._lookup(x)
+        packed = hit[1] if hit is not None else None
+        mask = hit[2] if hit is not None else None
+        if mask is None:
+            mask = self._relu_mask(x)
+        record = SaveRecord(layer, kind, "", tuple(x.shape), x.numel() * x.element_size(),
+                            fp_key=self.ids(x))
+        if packed is not None:
+            record.codec, record.shared = packed.kind, True
+        else:
+            packed = self.choose(kind, x)
+            record.codec = packed.kind
+            record.backend = "" if packed.backend == "none" else packed.backend
+            record.held = [(storage_key(t), t.untyped_storage().nbytes()) for t in packed.tensors() if t is not None]
+            self._cache[self._key(x)] = (weakref.ref(x), packed, mask)
+        self.records.append(record)
+        use_mask = mask if (self.reuse_relu_mask and packed.kind != "full") else None
+        return Saved(packed, use_mask, tuple(x.shape))
+
+    def save_mask(self, y: torch.Tensor, mask: BitMask, kind: str, layer: str, fp_bytes: int, fp_key=None):
+        """Record an exact mask (ReLU, dropout) and remember it for a later compression of ``y``."""
+        self.records.append(SaveRecord(layer, kind, mask.kind, tuple(y.shape), fp_bytes,
+                                       [(storage_key(mask.packed), mask.packed.untyped_storage().nbytes())],
+                                       fp_key=fp_key, backend=mask.backend))
+        if kind == "relu":
+            # an in-place ReLU's output gets its version bumped after forward: match it by identity
+            self._masks[self._key(y)[:4]] = (weakref.ref(y), mask)
+
+    def save_extra(self, t: torch.Tensor, kind: str, layer: str, codec: str, fp_bytes: int, fp_key=None):
+        self.records.append(SaveRecord(layer, kind, codec, tuple(t.shape), fp_bytes,
+                                       [(storage_key(t), t.untyped_storage().nbytes())], fp_key=fp_key))
+
+    def save_nothing(self, kind: str, layer: str, shape, fp_bytes: int, fp_key=None):
+        self.records.append(SaveRecord(layer, kind, "none", tuple(shape), fp_bytes, [], fp_key=fp_key))
+
+
+class Saved:
+    """A packed activation and, with ``reuse_relu_mask``, the exact mask of the ReLU that produced it."""
+
+    __slots__ = ("packed", "mask", "packed_shape")
+
+    def __init__(self, packed: Packed, mask: Optional[BitMask], shape=None):
+        self.packed, self.mask, self.packed_shape = packed, mask, shape
+
+    def decode(self) -> torch.Tensor:
+        x = self.packed.decode()
+        return x if self.mask is None else self.mask.apply(x)
+
+
+def full_copy(kind: str, x: torch.Tensor) -> Packed:
+    return FullCopy(x)

@@ -1,0 +1,135 @@
+"""BatchNorm -> ReLU -> conv chains: the conv rebuilds its input from the batch norm's saved input."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torchvision
+
+from division import compress
+from division.methods import build
+from division.models import create_model
+
+
+def _grads(model, x, y):
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name, size", [("resnet20", 32), ("resnet50", 32)])
+def test_lossless_fused_path_gives_fp_gradients(name, size):
+    """With a lossless codec the fused path gives the gradients of the same policy without fusing, and those
+    of plain autograd, up to float rounding (BasicBlock and Bottleneck)."""
+    torch.manual_seed(0)
+    ref = create_model(name, num_classes=10)
+    x, y = torch.randn(4, 3, size, size), torch.randint(0, 10, (4,))
+    grads, records = {}, {}
+    for fuse in (False, True):
+        model = copy.deepcopy(ref)
+        policy = compress.SavePolicy(compress.full_copy, fuse_bn_relu=fuse)
+        compress.install(model, policy)
+        grads[fuse], records[fuse] = _grads(model, x, y), policy.records
+    g_ref = _grads(ref, x, y)
+    fused = [r.layer for r in records[True] if r.codec == "bn-relu recompute"]
+    assert not any(r.codec == "bn-relu recompute" for r in records[False])
+    convs = [n for n, m in ref.named_modules() if isinstance(m, nn.Conv2d)]
+    # conv2 (and conv3 in a bottleneck) follow BN -> ReLU; so does the first block's conv1 after a stem
+    # without max-pool (the CIFAR ResNet-20)
+    per_block, stem = (1, 1) if name == "resnet20" else (2, 0)
+    assert len(fused) == per_block * sum(1 for n in convs if n.endswith(".conv1")) + stem, fused
+    for k in g_ref:  # rounding only; the deep stem gradients reach magnitudes of 1e3
+        scale = max(1.0, g_ref[k].abs().max().item())
+        torch.testing.assert_close(grads[True][k], grads[False][k], rtol=1e-5, atol=1e-6 * scale, msg=k)
+        torch.testing.assert_close(grads[True][k], g_ref[k], rtol=1e-4, atol=1e-5 * scale, msg=k)
+
+
+def test_fused_division_holds_less_with_the_same_fp_reference():
+    torch.manual_seed(0)
+    x, y = torch.randn(2, 3, 224, 224), torch.randint(0, 1000, (2,))
+    held = {}
+    for fuse in (False, True):
+        model = torchvision.models.resnet50()
+        method = build({"name": "division", "fuse_bn_relu": fuse})
+        method.prepare(model)
+        fp = method.fp_reference_bytes(model, lambda: F.cross_entropy(model(x), y))
+        with method.accounting() as acc:
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        assert acc.report.fp_bytes == fp
+        held[fuse] = acc.report.held_bytes
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    assert fp / held[True] > 1.12 * fp / held[False], held
+
+
+class _Meddler(nn.Module):
+    """BN -> ReLU -> conv with an in-place change of the BN output or of the ReLU output (or none); the
+    reference computes the same out of place."""
+
+    def __init__(self, change: str, inplace: bool):
+        super().__init__()
+        self.bn, self.relu, self.conv = nn.BatchNorm2d(3), nn.ReLU(inplace=True), nn.Conv2d(3, 4, 3, padding=1)
+        self.change, self.inplace = change, inplace
+
+    def forward(self, x):
+        b = self.bn(x)
+        if self.change == "bn":
+            b = b.add_(1.0) if self.inplace else b + 1.0
+        a = self.relu(b) if self.inplace else F.relu(b)
+        if self.change == "relu":
+            a = a.mul_(2.0) if self.inplace else a * 2.0
+        return self.conv(a)
+
+
+@pytest.mark.parametrize("change", ["none", "bn", "relu"])
+def test_changed_tensors_fall_back(change):
+    """Fusing only where the BN output reached the ReLU, and the ReLU output the conv, unchanged."""
+    torch.manual_seed(0)
+    ref = _Meddler(change, inplace=False)
+    model = copy.deepcopy(ref)
+    model.inplace = True
+    policy = compress.SavePolicy(compress.full_copy, fuse_bn_relu=True)
+    compress.install(model, policy)
+    x = torch.randn(2, 3, 8, 8)
+    ref(x).square().sum().backward()
+    model(x).square().sum().backward()
+    codecs = {r.layer: r.codec for r in policy.records}
+    assert (codecs["conv"] == "bn-relu recompute") is (change == "none")
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_bad_fuse_option():
+    with pytest.raises(ValueError, match="fuse_bn_relu"):
+        build({"name": "division", "fuse_bn_relu": "yes"})
+
+
+def test_division_plus_composes_every_saving_and_trains():
+    """division_plus = DIVISION + fused BN->ReLU + bf16 statistics + B=16 + groups for maps <= 256 elements;
+    each switch reachable from the config, and the whole holds less than DIVISION on resnet50."""
+    from division.methods import load_config
+    cfg = load_config("division_plus")
+    assert (cfg["fuse_bn_relu"], cfg["stat_dtype"], cfg["block_size"], cfg["small_map_elems"]) == (True, "bf16", 16, 256)
+    torch.manual_seed(0)
+    x, y = torch.randn(2, 3, 224, 224), torch.randint(0, 1000, (2,))
+    ratio, codecs = {}, {}
+    for spec in ("division", "division_plus"):
+        model = torchvision.models.resnet50()
+        method = build(load_config(spec))
+        method.prepare(model)
+        fp = method.fp_reference_bytes(model, lambda: F.cross_entropy(model(x), y))
+        with method.accounting() as acc:
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+        ratio[spec], codecs[spec] = fp / acc.report.held_bytes, acc.report.by_codec()
+    assert ratio["division_plus"] > 1.2 * ratio["division"], ratio
+    assert "quantized" in codecs["division_plus"] and "quantized" not in codecs["division"]
+
+
+@pytest.mark.parametrize("bad", [{"small_map_elems": -1}, {"small_map_elems": True}, {"stat_dtype": "fp16"}])
+def test_bad_division_plus_options(bad):
+    from division.methods import load_config
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        build({**load_config("division_plus"), **bad})
