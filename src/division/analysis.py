@@ -113,3 +113,24 @@ def mean_interval(values):
         return mean, None
     half = t975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
     return mean, (mean - half, mean + half)
+
+
+def balanced_batches(data_cfg, batches: int, per_class: int, seed: int = 0):
+    """``batches`` disjoint test batches, each holding ``per_class`` images of every class, drawn at random
+    (seeded) from the test split that ``data_cfg`` describes."""
+    from division import data as data_lib
+    cfg = copy.deepcopy(data_cfg)
+    cfg.test_subset = batches * per_class
+    _, test, _ = data_lib.build(cfg)
+    xs, ys = zip(*test)
+    x, y = torch.cat(list(xs)), torch.cat(list(ys))  # the test loader yields batches
+    g = torch.Generator().manual_seed(seed)
+    by_class = [c_idx[torch.randperm(len(c_idx), generator=g)] for c_idx in
+                (torch.nonzero(y == c).squeeze(1) for c in torch.unique(y))]
+    if min(len(c) for c in by_class) < batches * per_class:
+        raise ValueError(f"the test split holds fewer than {batches * per_class} images of some class")
+    out = []
+    for b in range(batches):
+        idx = torch.cat([c[b * per_class:(b + 1) * per_class] for c in by_class])
+        out.append((x[idx], y[idx]))
+    return out

@@ -18,10 +18,11 @@ LFC_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float
 
 
 def _encode_compiled(lib, x: torch.Tensor, block_hw, bits: int, stochastic: bool,
-                     stat_bf16: bool = False) -> Optional["DivisionPacked"]:
+                     stat_bf16: bool = False, split=None) -> Optional["DivisionPacked"]:
     """The fused CPU kernel (division/kernels); None when a map holds NaN or Inf."""
     n, c, h, w = x.shape
-    encoded = encode_maps_compiled(x, n * c, h, w, block_hw, bits, stochastic, lib=lib, stat_bf16=stat_bf16)
+    encoded = encode_maps_compiled(x, n * c, h, w, block_hw, bits, stochastic, lib=lib, stat_bf16=stat_bf16,
+                                   split=split)
     if encoded is None:
         return None
     lfc, q = encoded
@@ -122,7 +123,9 @@ class DivisionCodec:
         self.min_numel = min_numel
         self.stochastic = stochastic
 
-    def encode(self, x: torch.Tensor) -> Packed:
+    def encode(self, x: torch.Tensor, split=None) -> Packed:
+        """``split``: an exact mask the decoder holds too (BitMask over ``x``, a following ReLU's): the HFC of
+        each map then gets one range per side of the mask (CPU kernel and PyTorch; ignored by Triton)."""
         if x.dim() != 4:
             raise ValueError(f"DivisionCodec expects (N, C, H, W); got shape {tuple(x.shape)}")
         n, c, h, w = x.shape
@@ -136,7 +139,8 @@ class DivisionCodec:
             return DivisionPacked(lfc, q, block_hw, x.shape, x.dtype)
         lib = self._compiled_library(x)
         if lib is not None:
-            packed = _encode_compiled(lib, x, block_hw, self.hfc_bits, self.stochastic, self.stat_dtype == "bf16")
+            packed = _encode_compiled(lib, x, block_hw, self.hfc_bits, self.stochastic, self.stat_dtype == "bf16",
+                                      split)
             if packed is not None:
                 return packed
         xf = x.float()
@@ -153,7 +157,7 @@ class DivisionCodec:
         hfc = xf.clone() if xf is x else xf.contiguous()
         add_blocks_(hfc, lfc, block_hw, sign=-1.0)
         q = quantize_per_row(hfc.reshape(n * c, h * w), self.hfc_bits, self.stochastic, backend=self.backend,
-                             stat_dtype=self.stat_dtype)
+                             stat_dtype=self.stat_dtype, split=split)
         return DivisionPacked(lfc, q, block_hw, x.shape, x.dtype, bad_index, bad_value)
 
     def _compiled_library(self, x: torch.Tensor):

@@ -42,14 +42,15 @@ class GroupwiseCodec:
         self.group_size = group_size
         self.stochastic = stochastic
 
-    def encode(self, x: torch.Tensor) -> Packed:
+    def encode(self, x: torch.Tensor, split=None) -> Packed:
+        """``split`` (an exact mask over ``x`` the decoder holds): two ranges per group; unused with padding."""
         n = x.shape[0] if x.dim() > 1 else 1
         flat = x.reshape(n, -1)
         pad = (-flat.shape[1]) % self.group_size
         if pad:  # repeat the last element, so padding never widens a group's range
             flat = torch.cat([flat, flat[:, -1:].expand(n, pad)], dim=1)
         q = quantize_per_row(flat.reshape(-1, self.group_size), self.bits, self.stochastic, backend=self.backend,
-                             stat_dtype=self.stat_dtype)
+                             stat_dtype=self.stat_dtype, split=None if pad else split)
         return ReshapedQuantized(q, x.shape, n)
 
 
@@ -64,7 +65,7 @@ class PerChannelCodec:
         self.stochastic = stochastic
         self.min_numel = min_numel
 
-    def encode(self, x: torch.Tensor) -> Packed:
+    def encode(self, x: torch.Tensor, split=None) -> Packed:
         if x.dim() != 4:
             raise ValueError(f"PerChannelCodec expects (N, C, H, W); got shape {tuple(x.shape)}")
         n, c, h, w = x.shape
@@ -72,7 +73,7 @@ class PerChannelCodec:
         if h * w == 1 or x.numel() < self.min_numel or h * w * self.bits / 8 + stat_bytes >= 2 * h * w:
             return Bf16Copy.encode(x)
         q = quantize_per_row(x.reshape(n * c, h * w), self.bits, self.stochastic, backend=self.backend,
-                             stat_dtype=self.stat_dtype)
+                             stat_dtype=self.stat_dtype, split=split)
         return ReshapedQuantized(q, x.shape)
 
 

@@ -6,7 +6,7 @@ class _BatchNorm2dFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, policy, layer):
         out, save_mean, save_invstd = torch.ops.aten.native_batch_norm(
             x, weight, bias, running_mean, running_var, True, momentum, eps)
-        ctx.saved = policy.save(x, "bn", layer)
+        ctx.saved = policy.save_bn_input(x, layer)
         ctx.eps = eps
         ctx.x_dtype = x.dtype
         ctx.save_for_backward(weight, bias, save_mean, save_invstd)

@@ -17,8 +17,8 @@ class _ReLUFn(torch.autograd.Function):
             y = x.clamp_min(0)
         mask = BitMask.positive(y, policy.backend)
         ctx.mask = mask
+        policy.note_relu(x, bn, y, mask, inplace)  # first: it encodes the batch norm's waiting input
         policy.save_mask(y, mask, "relu", layer, fp_bytes, fp_key if inplace else policy.ids(y))
-        policy.note_relu(x, bn, y, mask, inplace)
         return y
 
     @staticmethod

@@ -1,5 +1,6 @@
 """The saving policy: which codec keeps each tensor a layer saves for backward, one copy per tensor, and the
 records of what one training forward held."""
+import inspect
 import weakref
 from typing import Callable, Dict, List, Optional
 
@@ -34,7 +35,9 @@ class SavePolicy:
             raise ValueError(f"fuse_bn_relu={fuse_bn_relu!r} is invalid; valid choices: [True, False]")
         self.fuse_bn_relu = fuse_bn_relu
         self._links: Dict[tuple, tuple] = {}
+        self._pending: List["Saved"] = []
         self.choose = choose
+        self._split_aware = "split" in inspect.signature(choose).parameters
         self.backend = check_backend(backend)
         self.kinds = frozenset(check_layer_kinds(kinds))
         self.reuse_relu_mask = reuse_relu_mask
@@ -48,10 +51,12 @@ class SavePolicy:
         self._cache = {}
         self._masks = {}
         self._links = {}
+        self._pending = []
         self.records = []
         self.ids = TensorIds()
 
     def end_forward(self):
+        self.flush()
         self._cache = {}
         self._masks = {}
         self._links = {}
@@ -72,10 +77,37 @@ class SavePolicy:
 
     def note_relu(self, x: torch.Tensor, bn: Optional[BnOutput], y: torch.Tensor, mask: BitMask, inplace: bool):
         """Link a ReLU output to the batch norm whose untouched output it consumed (``bn`` from
-        :meth:`bn_output`, looked up before the ReLU ran). An in-place ReLU's output gets one more version
-        bump when its autograd function returns."""
+        :meth:`bn_output`, looked up before the ReLU ran), and encode that batch norm's input now, with the
+        ReLU's mask as split (two ranges per map: the side a following conv rebuilds gets its own, narrower
+        range). An in-place ReLU's output gets one more version bump when its autograd function returns."""
         if bn is not None:
+            self.complete(bn.saved, mask)
             self._link(y, BnReluInput(bn, mask, y.shape), y._version + (1 if inplace else 0))
+
+    def save_bn_input(self, x: torch.Tensor, layer: str) -> "Saved":
+        """A batch norm's input. With ``fuse_bn_relu`` its encoding waits for a ReLU that may follow (see
+        :meth:`note_relu`), at the latest until the next layer that calls the policy."""
+        if not self.fuse_bn_relu or self._lookup(x) is not None:
+            return self.save(x, "bn", layer)
+        self.flush()
+        saved = Saved(None, None, tuple(x.shape))
+        saved.pending = (x, layer)
+        self._pending.append(saved)
+        return saved
+
+    def complete(self, saved: "Saved", split: Optional[BitMask] = None):
+        """Encode a waiting batch-norm input (with ``split`` where the method's codec takes one)."""
+        if saved.pending is None:
+            return
+        x, layer = saved.pending
+        saved.pending = None
+        done = self.save(x, "bn", layer, split)
+        saved.packed, saved.mask = done.packed, done.mask
+
+    def flush(self):
+        pending, self._pending = self._pending, []
+        for saved in pending:
+            self.complete(saved)
 
     def bn_output(self, x: torch.Tensor) -> Optional[BnOutput]:
         return self._linked(x, BnOutput) if self.fuse_bn_relu else None
@@ -94,8 +126,10 @@ class SavePolicy:
             return None
         return hit
 
-    def save(self, x: torch.Tensor, kind: str, layer: str) -> "Saved":
+    def save(self, x: torch.Tensor, kind: str, layer: str, split: Optional[BitMask] = None) -> "Saved":
         """Compress ``x`` for a layer of ``kind``, or reuse what was saved for the very same tensor."""
+        if kind != "bn" or split is None:
+            self.flush()
         fused = self._linked(x, BnReluInput) if kind == "conv" and self.fuse_bn_relu else None
         if fused is not None:
             self.records.append(SaveRecord(layer, kind, "bn-relu recompute", tuple(x.shape),
@@ -111,7 +145,7 @@ class SavePolicy:
         if packed is not None:
             record.codec, record.shared = packed.kind, True
         else:
-            packed = self.choose(kind, x)
+            packed = self.choose(kind, x, split) if split is not None and self._split_aware else self.choose(kind, x)
             record.codec = packed.kind
             record.backend = "" if packed.backend == "none" else packed.backend
             record.held = [(storage_key(t), t.untyped_storage().nbytes()) for t in packed.tensors() if t is not None]
@@ -122,6 +156,7 @@ class SavePolicy:
 
     def save_mask(self, y: torch.Tensor, mask: BitMask, kind: str, layer: str, fp_bytes: int, fp_key=None):
         """Record an exact mask (ReLU, dropout) and remember it for a later compression of ``y``."""
+        self.flush()
         self.records.append(SaveRecord(layer, kind, mask.kind, tuple(y.shape), fp_bytes,
                                        [(storage_key(mask.packed), mask.packed.untyped_storage().nbytes())],
                                        fp_key=fp_key, backend=mask.backend))
@@ -130,25 +165,28 @@ class SavePolicy:
             self._masks[self._key(y)[:4]] = (weakref.ref(y), mask)
 
     def save_extra(self, t: torch.Tensor, kind: str, layer: str, codec: str, fp_bytes: int, fp_key=None):
+        self.flush()
         self.records.append(SaveRecord(layer, kind, codec, tuple(t.shape), fp_bytes,
                                        [(storage_key(t), t.untyped_storage().nbytes())], fp_key=fp_key))
 
     def save_nothing(self, kind: str, layer: str, shape, fp_bytes: int, fp_key=None):
+        self.flush()
         self.records.append(SaveRecord(layer, kind, "none", tuple(shape), fp_bytes, [], fp_key=fp_key))
 
 
 class Saved:
-    """A packed activation and, with ``reuse_relu_mask``, the exact mask of the ReLU that produced it."""
+    """A packed activation and, with ``reuse_relu_mask``, the exact mask of the ReLU that produced it.
+    ``pending`` holds (tensor, layer) while a batch norm's input waits for its encoding."""
 
-    __slots__ = ("packed", "mask", "packed_shape")
+    __slots__ = ("packed", "mask", "packed_shape", "pending")
 
     def __init__(self, packed: Packed, mask: Optional[BitMask], shape=None):
-        self.packed, self.mask, self.packed_shape = packed, mask, shape
+        self.packed, self.mask, self.packed_shape, self.pending = packed, mask, shape, None
 
     def decode(self) -> torch.Tensor:
         x = self.packed.decode()
         return x if self.mask is None else self.mask.apply(x)
 
 
-def full_copy(kind: str, x: torch.Tensor) -> Packed:
+def full_copy(kind: str, x: torch.Tensor, split=None) -> Packed:
     return FullCopy(x)

@@ -51,11 +51,11 @@ def _build() -> ctypes.CDLL:
             os.replace(out, lib_path)
     lib = ctypes.CDLL(str(lib_path))
     p, i64, i32, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64
-    lib.division_encode.argtypes = [p, i64, i64, i64, i64, i64, i32, u64, i32, p, p, p, p, p, i32, i32, i32]
+    lib.division_encode.argtypes = [p, i64, i64, i64, i64, i64, i32, u64, i32, p, p, p, p, p, i32, i32, i32, p]
     lib.division_encode.restype = i32
     lib.pack_codes.argtypes = [p, i64, i32, p, i32]
     lib.pack_codes.restype = None
-    lib.division_decode.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i32, p, i32]
+    lib.division_decode.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i32, p, i32, p]
     lib.division_decode.restype = i32
     lib.mask_positive.argtypes = [p, i64, p, i32]
     lib.mask_positive.restype = None

@@ -162,14 +162,74 @@ static void upsample_map(const uint16_t *restrict lm, int64_t h, int64_t w, int6
     }
 }
 
+/* The bits of one map (elements base .. base + n - 1 of a packed bit mask) as bytes. */
+static void split_bits(const uint8_t *restrict split, int64_t base, int64_t n, uint8_t *restrict sbuf) {
+    for (int64_t e = 0; e < n; e++) sbuf[e] = (split[(base + e) >> 3] >> ((base + e) & 7)) & 1u;
+}
+
+/* Two ranges of one map's values, by split bit: minimum[b], scale[b] for b = 0, 1 (0, 0 for an empty side). */
+static void split_ranges(const float *restrict v, int64_t n, const uint8_t *restrict split, int64_t base,
+                         uint8_t *restrict sbuf, float levels, int stat_bf16, float *minimum, float *scale) {
+    split_bits(split, base, n, sbuf);
+    float mn0 = INFINITY, mx0 = -INFINITY, mn1 = INFINITY, mx1 = -INFINITY;
+#pragma omp simd reduction(min:mn0, mn1) reduction(max:mx0, mx1)
+    for (int64_t e = 0; e < n; e++) {
+        const float a = v[e];
+        const int s = sbuf[e];
+        mn0 = (!s && a < mn0) ? a : mn0;
+        mx0 = (!s && a > mx0) ? a : mx0;
+        mn1 = (s && a < mn1) ? a : mn1;
+        mx1 = (s && a > mx1) ? a : mx1;
+    }
+    const float lo[2] = {mn0, mn1}, hi[2] = {mx0, mx1};
+    for (int b = 0; b < 2; b++) {
+        if (!(lo[b] <= hi[b])) {  /* no element on this side */
+            minimum[b] = 0.0f;
+            scale[b] = 0.0f;
+        } else if (stat_bf16) {
+            minimum[b] = bf16_down(lo[b]);
+            scale[b] = bf16_up((hi[b] - minimum[b]) / levels);
+        } else {
+            minimum[b] = lo[b];
+            scale[b] = (hi[b] - lo[b]) / levels;
+        }
+    }
+}
+
+/* Codes of one map with the range of each element's side (see split_ranges). */
+static void quantize_split(const float *restrict v, int64_t n, const uint8_t *restrict sbuf, const float *minimum,
+                           const float *scale, uint32_t key, int stochastic, int top, uint16_t *restrict rnd,
+                           uint8_t *restrict out) {
+    const float mn0 = minimum[0], mn1 = minimum[1];
+    const float inv0 = scale[0] > 0.0f ? 1.0f / scale[0] : 0.0f, inv1 = scale[1] > 0.0f ? 1.0f / scale[1] : 0.0f;
+    if (stochastic) {
+#pragma omp simd
+        for (int64_t k = 0; k < (n + 1) / 2; k++) {
+            const uint32_t r = hash32(key + (uint32_t)k);
+            memcpy(rnd + 2 * k, &r, 4);
+        }
+    }
+#pragma omp simd
+    for (int64_t e = 0; e < n; e++) {
+        const int s = sbuf[e];
+        const float u = stochastic ? ((float)rnd[e] + 0.5f) * (1.0f / 65536.0f) : 0.5f;
+        const float t = (v[e] - (s ? mn1 : mn0)) * (s ? inv1 : inv0) + u;
+        const int q = t > 0.0f ? (int)t : 0;
+        out[e] = (uint8_t)(q < top ? q : top);
+    }
+}
+
 /* Returns the number of maps holding a NaN or Inf (in x, its LFC or its HFC range); the caller then uses the
  * reference path, which keeps such values exactly. */
 int division_encode(const float *x, int64_t maps, int64_t h, int64_t w, int64_t bh, int64_t bw, int bits,
                     uint64_t seed, int stochastic, uint16_t *lfc, float *minimum, float *scale, uint8_t *codes,
-                    uint8_t *packed, int threads, int fixed_range, int stat_bf16) {
+                    uint8_t *packed, int threads, int fixed_range, int stat_bf16, const uint8_t *split) {
     /* lfc == NULL: no low-frequency component (a plain per-map quantizer; maps of 1 x n are rows).
      * fixed_range: minimum[m] and scale[m] are inputs (one range for many maps, BLPA), not outputs.
      * stat_bf16: the minimum and scale written (and used for the codes) are bf16 values, rounded outward.
+     * split (packed bits over the flattened x, or NULL): each map gets two ranges, one for the elements whose
+     * bit is set and one for the rest (minimum[2m + bit], scale[2m + bit]); the decoder knows the bits (a
+     * ReLU's exact mask), so each side is quantized over its own, narrower range.
      * Maps whose codes fill whole bytes are packed here into ``packed``; otherwise codes go to ``codes``
      * (one byte each) and the caller packs them with pack_codes. After the block sums, every pass is a flat
      * loop over the map's h*w elements (upsampled LFC, HFC with its range and a non-finite flag, codes),
@@ -188,9 +248,10 @@ int division_encode(const float *x, int64_t maps, int64_t h, int64_t w, int64_t 
         float *buf = malloc((size_t)hw * sizeof(float));
         uint8_t *cbuf = malloc((size_t)hw);
         uint16_t *rnd = malloc((size_t)(hw + 1) / 2 * sizeof(uint32_t));
+        uint8_t *sbuf = split ? malloc((size_t)hw) : NULL;
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < maps; m++) {
-            if (!colsum || !buf || !cbuf || !rnd) {  /* out of memory: the caller falls back to the reference path */
+            if (!colsum || !buf || !cbuf || !rnd || (split && !sbuf)) {  /* out of memory: the caller falls back to the reference path */
                 bad += 1;
                 continue;
             }
@@ -243,6 +304,14 @@ int division_encode(const float *x, int64_t maps, int64_t h, int64_t w, int64_t 
                 continue;
             }
             float sc;
+            const uint32_t key = (uint32_t)splitmix64(seed ^ (0xD1B54A32D192ED03ull * (uint64_t)(m + 1)));
+            uint8_t *restrict out = aligned ? cbuf : codes + m * hw;
+            if (split) {
+                split_ranges(hfc, hw, split, m * hw, sbuf, levels, stat_bf16, minimum + 2 * m, scale + 2 * m);
+                quantize_split(hfc, hw, sbuf, minimum + 2 * m, scale + 2 * m, key, stochastic, top, rnd, out);
+                if (aligned) pack_aligned(cbuf, hw, bits, packed + ((m * hw) >> shift));
+                continue;
+            }
             if (fixed_range) {
                 mn = minimum[m];
                 sc = scale[m];
@@ -257,8 +326,6 @@ int division_encode(const float *x, int64_t maps, int64_t h, int64_t w, int64_t 
                 scale[m] = sc;
             }
             const float inv = sc > 0.0f ? 1.0f / sc : 0.0f;
-            const uint32_t key = (uint32_t)splitmix64(seed ^ (0xD1B54A32D192ED03ull * (uint64_t)(m + 1)));
-            uint8_t *restrict out = aligned ? cbuf : codes + m * hw;
             if (stochastic) {
                 /* One 32-bit hash serves two elements, 16 bits each (offset by half a step, so the rounding
                  * bias stays below 2^-17 of a quantization step): half the multiplies of a hash per element. */
@@ -290,6 +357,7 @@ int division_encode(const float *x, int64_t maps, int64_t h, int64_t w, int64_t 
         free(buf);
         free(cbuf);
         free(rnd);
+        free(sbuf);
     }
     return bad;
 }
@@ -312,7 +380,8 @@ void pack_codes(const uint8_t *codes, int64_t numel, int bits, uint8_t *out, int
 /* Returns the number of maps not decoded for lack of memory (the caller raises). lfc == NULL: no LFC (a plain
  * per-map quantizer). */
 int division_decode(const uint8_t *packed, const uint16_t *lfc, const float *minimum, const float *scale,
-                     int64_t maps, int64_t h, int64_t w, int64_t bh, int64_t bw, int bits, float *out, int threads) {
+                     int64_t maps, int64_t h, int64_t w, int64_t bh, int64_t bw, int bits, float *out, int threads,
+                     const uint8_t *split) {
     const int64_t hw = h * w;
     const int64_t nblocks = lfc ? ((h + bh - 1) / bh) * ((w + bw - 1) / bw) : 0;
     const int shift = bits == 1 ? 3 : (bits == 2 ? 2 : (bits == 4 ? 1 : 0));  /* log2(codes per byte) */
@@ -325,13 +394,14 @@ int division_decode(const uint8_t *packed, const uint16_t *lfc, const float *min
         float *row = malloc((size_t)w * sizeof(float));
         float *up = malloc((size_t)hw * sizeof(float));
         uint8_t *cbuf = malloc((size_t)hw);
+        uint8_t *sbuf = split ? malloc((size_t)hw) : NULL;
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < maps; m++) {
-            if (!row || !up || !cbuf) {
+            if (!row || !up || !cbuf || (split && !sbuf)) {
                 failed += 1;
                 continue;
             }
-            const float mn = minimum[m], sc = scale[m];
+            const float mn = split ? 0.0f : minimum[m], sc = split ? 0.0f : scale[m];
             float *restrict om = out + m * hw;
             if (aligned) {
                 unpack_aligned(packed + ((m * hw) >> shift), hw, bits, cbuf);
@@ -341,7 +411,18 @@ int division_decode(const uint8_t *packed, const uint16_t *lfc, const float *min
                     cbuf[e] = (packed[idx >> shift] >> (bits * (idx & per_mask))) & mask;
                 }
             }
-            if (lfc && w >= 16) {  /* wide rows: one upsampled row per block row, no map-sized buffer */
+            if (split) {  /* two ranges per map, chosen by the split bit of each element */
+                split_bits(split, m * hw, hw, sbuf);
+                if (lfc)
+                    upsample_map(lfc + m * nblocks, h, w, bh, bw, 0.0f, row, up);
+                const float mn0 = minimum[2 * m], mn1 = minimum[2 * m + 1];
+                const float sc0 = scale[2 * m], sc1 = scale[2 * m + 1];
+#pragma omp simd
+                for (int64_t e = 0; e < hw; e++) {
+                    const int s = sbuf[e];
+                    om[e] = (lfc ? up[e] : 0.0f) + (s ? mn1 : mn0) + (float)cbuf[e] * (s ? sc1 : sc0);
+                }
+            } else if (lfc && w >= 16) {  /* wide rows: one upsampled row per block row, no map-sized buffer */
                 const uint16_t *lm = lfc + m * nblocks;
                 const int64_t wb = (w + bw - 1) / bw;
                 for (int64_t i = 0; i * bh < h; i++) {
@@ -370,6 +451,7 @@ int division_decode(const uint8_t *packed, const uint16_t *lfc, const float *min
         free(row);
         free(up);
         free(cbuf);
+        free(sbuf);
     }
     return failed;
 }

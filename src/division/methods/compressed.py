@@ -25,8 +25,9 @@ class PolicyMethod(Method, metaclass=ABCMeta):
         self.policy = compress.SavePolicy(self.choose, self.layers, reuse_relu_mask, backend, fuse_bn_relu)
 
     @abstractmethod
-    def choose(self, kind: str, x: torch.Tensor):
-        """The packed copy that keeps ``x`` (saved by a layer of ``kind``) for backward."""
+    def choose(self, kind: str, x: torch.Tensor, split=None):
+        """The packed copy that keeps ``x`` (saved by a layer of ``kind``) for backward; ``split`` is an exact
+        mask over ``x`` that backward holds anyway (a codec may use it for two ranges, or ignore it)."""
 
     def prepare(self, model: nn.Module) -> nn.Module:
         self.token_grid = token_grid(model)
@@ -81,11 +82,11 @@ class Division(PolicyMethod):
         self.notes = ["maps with 1x1 spatial size, fewer than min_numel elements, and 2-D inputs are held in "
                       "bf16; token tensors use the patch grid (prefix tokens in bf16) or pool along tokens"]
 
-    def choose(self, kind, x):
+    def choose(self, kind, x, split=None):
         if x.dim() == 4:
             if 1 < x.shape[2] * x.shape[3] <= self.small_map_elems and x.numel() >= self.codec.min_numel:
-                return self.small_codec.encode(x)
-            return self.codec.encode(x)
+                return self.small_codec.encode(x, split)
+            return self.codec.encode(x, split)
         if x.dim() == 3:
             prefix, grid = self.token_grid if self.token_grid else (0, None)
             return encode_tokens(self.codec, x, prefix, grid)
@@ -103,8 +104,8 @@ class ActNN(PolicyMethod):
         self.codec = GroupwiseCodec(bits, group_size, stochastic, backend)
         super().__init__(name, layers, backend=backend, fuse_bn_relu=fuse_bn_relu)
 
-    def choose(self, kind, x):
-        return self.codec.encode(x)
+    def choose(self, kind, x, split=None):
+        return self.codec.encode(x, split)
 
 
 class Blpa(PolicyMethod):
@@ -117,7 +118,7 @@ class Blpa(PolicyMethod):
         self.codec = BlpaCodec(bits, stochastic, backend)
         super().__init__(name, layers, backend=backend, fuse_bn_relu=fuse_bn_relu)
 
-    def choose(self, kind, x):
+    def choose(self, kind, x, split=None):
         return self.codec.encode(x)
 
 
@@ -133,5 +134,5 @@ class Mesa(PolicyMethod):
         self.codec = ChannelCodec(bits, stochastic, backend)
         super().__init__(name, layers, backend=backend, fuse_bn_relu=fuse_bn_relu)
 
-    def choose(self, kind, x):
+    def choose(self, kind, x, split=None):
         return self.codec.encode(x)

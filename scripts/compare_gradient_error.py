@@ -1,0 +1,91 @@
+"""Weight-gradient error of methods against full precision on a trained network, over several disjoint
+class-balanced test batches: per method the mean over conv layers of the relative L2 error and cosine (each
+a mean over stochastic draws), with mean and 95 % t interval over batches, and the paired difference per
+batch against a baseline method (the first one named). A measurement, not a test.
+
+    DATA_DIR=../shared/datasets python scripts/compare_gradient_error.py --model resnet20 \
+        --checkpoint results/runs/cifar10_resnet20_full/<run>/checkpoint.pt --tag resnet20_full \
+        --methods division division_plus division_plus:fuse_bn_relu=false division_plus:stat_dtype=fp32 \
+                  division_plus:block_size=8 division_plus:small_map_elems=0
+"""
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from division import results  # noqa: E402
+from division.analysis import balanced_batches, gradient_error, mean_interval, weight_grads  # noqa: E402
+from division.methods import build, load_config  # noqa: E402
+from division.models import create_model  # noqa: E402
+
+
+def data_config(args):
+    from hydra import compose, initialize_config_dir
+    overrides = ["data=cifar10"] + ([f"data.root={args.data_root}"] if args.data_root else [])
+    if args.synthetic:
+        overrides = ["data=synthetic", "data.test_size=200", "data.image_size=32"]
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "configs")):
+        return compose(config_name="train", overrides=overrides).data
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="resnet20")
+    p.add_argument("--checkpoint", help="trained weights (a runner checkpoint.pt); omit only with --synthetic")
+    p.add_argument("--methods", nargs="+", default=["division", "division_plus"])
+    p.add_argument("--batches", type=int, default=5)
+    p.add_argument("--per-class", type=int, default=13, help="images of each class per batch")
+    p.add_argument("--draws", type=int, default=3)
+    p.add_argument("--data-root")
+    p.add_argument("--synthetic", action="store_true", help="random data and weights: a smoke run")
+    p.add_argument("--tag", default="resnet20")
+    p.add_argument("--out", default=str(ROOT / "results" / "analysis"))
+    args = p.parse_args(argv)
+    if not args.checkpoint and not args.synthetic:
+        p.error("--checkpoint is required (or --synthetic for a smoke run)")
+    torch.manual_seed(0)
+    model = create_model(args.model, num_classes=10)
+    if args.checkpoint:
+        model.load_state_dict(torch.load(args.checkpoint, map_location="cpu", weights_only=False)["model"])
+    batches = balanced_batches(data_config(args), args.batches, args.per_class)
+    per_batch = {m: [] for m in args.methods}
+    for i, (x, y) in enumerate(batches):
+        reference = weight_grads(model.train(), x, y)
+        for spec in args.methods:
+            errs = gradient_error(model, build(load_config(spec)), x, y, args.draws, reference)
+            per_batch[spec].append({"rel_error": statistics.mean(e["rel_error"] for e in errs.values()),
+                                    "cosine": statistics.mean(e["cosine"] for e in errs.values())})
+            print(f"batch {i} {spec:48s} rel. error {per_batch[spec][-1]['rel_error']:.4f}", flush=True)
+    base = args.methods[0]
+    rows = {}
+    for spec, vals in per_batch.items():
+        err, err_ci = mean_interval(v["rel_error"] for v in vals)
+        cos, cos_ci = mean_interval(v["cosine"] for v in vals)
+        diff, diff_ci = mean_interval(v["rel_error"] - b["rel_error"] for v, b in zip(vals, per_batch[base]))
+        rows[spec] = {"per_batch": vals, "rel_error": err, "rel_error_ci95": err_ci, "cosine": cos,
+                      "cosine_ci95": cos_ci, "minus_baseline": diff, "minus_baseline_ci95": diff_ci}
+    report = {"status": "ok", "model": args.model, "baseline": base, "batches": args.batches,
+              "batch_size": int(batches[0][1].numel()), "draws": args.draws, "synthetic": args.synthetic,
+              "checkpoint": results.relative_to_root(args.checkpoint) if args.checkpoint else None,
+              "command": "python scripts/compare_gradient_error.py " + " ".join(argv or sys.argv[1:]),
+              "methods": rows, **results.provenance(torch.device("cpu"))}
+    out = Path(args.out)
+    results.write_json(out / f"gradient_error_{args.tag}.json", report)
+    fmt = lambda ci: "" if ci is None else f"[{ci[0]:.4f}, {ci[1]:.4f}]"  # noqa: E731
+    lines = [f"Weight-gradient error vs full precision, {args.model}, {args.batches} class-balanced test batches of "
+             f"{report['batch_size']}, {args.draws} draws each; mean over conv layers; 95 % t intervals over batches.",
+             "", f"| method | rel. L2 error | 95 % CI | cosine | minus {base} (paired) | 95 % CI |", "|---|---|---|---|---|---|"]
+    for spec, r in rows.items():
+        lines.append(f"| {spec} | {r['rel_error']:.4f} | {fmt(r['rel_error_ci95'])} | {r['cosine']:.4f} | "
+                     f"{r['minus_baseline']:+.4f} | {fmt(r['minus_baseline_ci95'])} |")
+    (out / f"gradient_error_{args.tag}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
