@@ -93,7 +93,7 @@ def run(cfg: DictConfig) -> dict:
     stem = str(cfg.model.get("stem", "auto"))
     model = models.create_model(cfg.model.name, num_classes=int(cfg.model.num_classes),
                                 pretrained=bool(cfg.model.get("pretrained", False)), stem=stem,
-                                image_size=data_info.image_size)
+                                image_size=data_info.image_size, width_mult=cfg.model.get("width_mult", 1))
     zeroed = models.zero_init_residual_(model) if cfg.model.get("zero_init_residual", False) else 0
     if cfg.trainer.get("sync_bn") and info.enabled:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)

@@ -109,6 +109,16 @@ class SavePolicy:
         for saved in pending:
             self.complete(saved)
 
+    def note_exact(self, y: torch.Tensor, levels):
+        """``y`` holds only the values ``levels`` describes (WRPN's quantized activations)."""
+        self._link(y, levels, y._version)
+
+    def exact_levels(self, x: torch.Tensor):
+        entry = self._links.get(self._key(x)[:4])
+        if entry is None or entry[0]() is not x or entry[1] != x._version or isinstance(entry[2], (BnOutput, BnReluInput)):
+            return None
+        return entry[2]
+
     def bn_output(self, x: torch.Tensor) -> Optional[BnOutput]:
         return self._linked(x, BnOutput) if self.fuse_bn_relu else None
 

@@ -133,9 +133,10 @@ def _covered_kind(m: nn.Module):
     return None
 
 
-def install(model: nn.Module, policy: SavePolicy) -> List[str]:
+def install(model: nn.Module, policy: SavePolicy, routes=None) -> List[str]:
     """Route the covered modules of ``model`` through ``policy``; returns the names of covered modules.
 
+    ``routes`` (kind -> make(module, policy, name) -> forward) replaces the forward of a layer kind.
     A module whose instance already carries its own ``forward`` (patched by someone else) is left alone. A
     forward pre-hook and a hook on the root open and close one forward's bookkeeping; the closing hook runs
     even when the forward raises, so the attention function mode never outlives its forward.
@@ -148,6 +149,7 @@ def install(model: nn.Module, policy: SavePolicy) -> List[str]:
         if found is None or found[0] not in policy.kinds or "forward" in m.__dict__:
             continue
         kind, make = found
+        make = (routes or {}).get(kind, make)  # a method's own forward for a layer kind (WRPN quantizes)
         m.forward = types.MethodType(make(m, policy, name or kind), m)
         covered.append(name)
         patched.append(m)

@@ -10,6 +10,7 @@ from division.methods.base import Method
 from division.methods.compressed import ActNN, Blpa, Division, Mesa
 from division.methods.fp import FullPrecision
 from division.methods.recompute import Checkpoint, Swap
+from division.methods.wrpn import Wrpn
 
 METHODS: Dict[str, Type[Method]] = {
     "fp": FullPrecision,
@@ -19,6 +20,7 @@ METHODS: Dict[str, Type[Method]] = {
     "mesa": Mesa,
     "checkpoint": Checkpoint,
     "swap": Swap,
+    "wrpn": Wrpn,
 }
 
 

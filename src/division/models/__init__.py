@@ -2,6 +2,7 @@
 
 CIFAR models are the project's own; ImageNet CNNs come from torchvision, ViTs from timm. Pretrained weights
 are downloaded by torchvision/timm when asked for (this needs network access)."""
+import inspect
 from typing import Callable, Dict
 
 import torch.nn as nn
@@ -43,6 +44,13 @@ def create_model(name: str, num_classes: int = 10, pretrained: bool = False, ste
     if name not in _REGISTRY:
         raise ValueError(f"unknown model {name!r}; valid choices: {list_models()}")
     factory = _REGISTRY[name]
+    if kwargs.get("width_mult", 1) == 1:
+        kwargs.pop("width_mult", None)
+    elif "width_mult" not in inspect.signature(factory).parameters:
+        raise ValueError(f"model {name!r} has no width_mult; models that have one: "
+                         f"{[n for n, f in _REGISTRY.items() if 'width_mult' in inspect.signature(f).parameters]}")
+    else:
+        _widths((1,), kwargs["width_mult"])  # validates
     chosen = resolve_stem(stem, image_size)  # validated for every model; used by those with an ImageNet stem
     if getattr(factory, "takes_input", False):
         kwargs.update(stem=chosen, image_size=image_size)
@@ -87,17 +95,24 @@ def _no_pretrained(name, pretrained):
 
 
 @register("resnet18")
-def resnet18(num_classes=10, pretrained=False):
-    """The CIFAR ResNet-18 of the paper (3x3 stem, no max-pool, widths 64..512)."""
+def resnet18(num_classes=10, pretrained=False, width_mult=1.0):
+    """The CIFAR ResNet-18 of the paper (3x3 stem, no max-pool, widths 64..512, times ``width_mult``)."""
     _no_pretrained("resnet18", pretrained)
-    return cifar.CifarResNet((2, 2, 2, 2), (64, 128, 256, 512), num_classes)
+    return cifar.CifarResNet((2, 2, 2, 2), _widths((64, 128, 256, 512), width_mult), num_classes)
+
+
+def _widths(base, mult):
+    """Channel widths scaled by ``mult`` (WRPN widens its networks; 1 = as published)."""
+    if isinstance(mult, bool) or not isinstance(mult, (int, float)) or mult <= 0:
+        raise ValueError(f"width_mult={mult!r} is invalid; it must be a number > 0 (1 = as published)")
+    return tuple(max(1, int(round(w * mult))) for w in base)
 
 
 def _he_resnet(depth):
-    def make(num_classes=10, pretrained=False):
+    def make(num_classes=10, pretrained=False, width_mult=1.0):
         _no_pretrained(f"resnet{depth}", pretrained)
         n = (depth - 2) // 6
-        return cifar.CifarResNet((n, n, n), (16, 32, 64), num_classes, shortcut="pad")
+        return cifar.CifarResNet((n, n, n), _widths((16, 32, 64), width_mult), num_classes, shortcut="pad")
     make.__doc__ = f"He et al. (2016) CIFAR ResNet-{depth}: 3 stages of {(depth - 2) // 6} basic blocks, option-A shortcuts."
     return make
 
@@ -119,9 +134,10 @@ def densenet121(num_classes=10, pretrained=False):
 
 
 @register("wrn28_10")
-def wrn28_10(num_classes=10, pretrained=False, dropout=0.0):
+def wrn28_10(num_classes=10, pretrained=False, dropout=0.0, width_mult=1.0):
     _no_pretrained("wrn28_10", pretrained)
-    return cifar.WideResNet(28, 10, dropout, num_classes)
+    _widths((10,), width_mult)  # validates
+    return cifar.WideResNet(28, 10 * width_mult, dropout, num_classes)
 
 
 def _torchvision(arch):

@@ -184,7 +184,7 @@ class WideResNet(_PreActHead):
     def __init__(self, depth=28, widen=10, dropout=0.0, num_classes=10):
         super().__init__()
         n = (depth - 4) // 6
-        widths = [16, 16 * widen, 32 * widen, 64 * widen]
+        widths = [16] + [int(round(b * widen)) for b in (16, 32, 64)]
         self.conv1 = nn.Conv2d(3, widths[0], 3, 1, 1, bias=False)
         stages, cin = [], widths[0]
         for i, w in enumerate(widths[1:]):
