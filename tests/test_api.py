@@ -65,3 +65,42 @@ def test_prepare_under_autocast_and_timm():
     assert report.ratio > 2  # bf16 activations halve the baseline; the weights' bf16 copies are apart
     assert report.amp_weight_cast_bytes > 0
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("spec", ["sac", "compile_budget:budget=0.1"])
+def test_sac_and_compile_budget_keep_fp_gradients_and_hold_less(spec):
+    """PyTorch-native baselines: selective checkpointing and torch.compile's memory budget change what is
+    held, not the gradients (a small conv net: compiling takes seconds, not minutes)."""
+    import copy
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from division.methods import build, load_config
+    torch.manual_seed(0)
+
+    def block(c):
+        return nn.Sequential(nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(),
+                             nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+    base = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Sequential(block(8), block(8)),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+    ref = copy.deepcopy(base)
+    F.cross_entropy(ref(x), y).backward()
+    model = copy.deepcopy(base)
+    method = build(load_config(spec))
+    method.prepare(model)
+    fp = method.fp_reference_bytes(model, lambda: F.cross_entropy(model(x), y))
+    with method.accounting(model) as acc:
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    assert acc.report.held_bytes < fp
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):  # compiled kernels sum in another order
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5 * max(1.0, q.grad.abs().max().item()))
+    method.remove(model)
+
+
+def test_trainer_compile_refuses_methods_it_cannot_compile():
+    from division import api
+    from division.methods import build
+    from division.models import create_model
+    with pytest.raises(ValueError, match="method 'division'"):
+        api.compile_model(create_model("resnet20"), build({"name": "division"}))

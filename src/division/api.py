@@ -117,3 +117,26 @@ def prepare(model: nn.Module, method: str = "division", measure: bool = True, **
 
 
 __all__ = ["prepare", "Handle"]
+
+
+def compile_model(model: nn.Module, method) -> nn.Module:
+    """``trainer.compile=true``: ``model.compile()`` in place where the method allows it; otherwise a clear,
+    early error naming the method. Methods whose layers are autograd functions holding Python objects
+    (every compressing method, checkpointing with its context functions, swap's hooks) are not compilable:
+    Dynamo breaks the graph at each of their layers or cannot trace them at all."""
+    if getattr(method, "compiles_itself", False):
+        return model
+    if not getattr(method, "compilable", False):
+        raise ValueError(f"trainer.compile=true does not work with method {method.name!r}: its layers run autograd "
+                         "functions that keep Python-side state (Dynamo cannot compile them). Methods that can: "
+                         "fp, compile_budget; or set trainer.compile=false")
+    import torch._dynamo.utils
+    torch._dynamo.utils.counters.clear()
+    model.compile()
+    return model
+
+
+def graph_breaks() -> int:
+    """Graph breaks Dynamo counted since :func:`compile_model`."""
+    import torch._dynamo.utils
+    return int(sum(torch._dynamo.utils.counters["graph_break"].values()))

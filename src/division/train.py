@@ -102,6 +102,9 @@ def run(cfg: DictConfig) -> dict:
         model = model.to(memory_format=torch.channels_last)
     options = {k: v for k, v in OmegaConf.to_container(cfg.method, resolve=True).items() if k != "name"}
     method = api.prepare(model, str(cfg.method.name), measure=False, **options).method
+    compiled = bool(cfg.trainer.get("compile", False))
+    if compiled:
+        api.compile_model(model, method)
     train_model = model
     if info.enabled:
         train_model = torch.nn.parallel.DistributedDataParallel(
@@ -196,6 +199,8 @@ def run(cfg: DictConfig) -> dict:
                         "code_version": code,
                         "wall_time_s": time.perf_counter() - t_start})
             write("running")
+        if compiled:
+            result["compile"] = {"graph_breaks": api.graph_breaks()}
         if info.enabled:
             result["ddp_param_spread"] = dist.parameter_spread(model)
         write("ok")

@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Dict, Type
 
 from division.methods.base import Method
+from division.methods.compiled import CompileBudget
 from division.methods.compressed import ActNN, Blpa, Division, Mesa
 from division.methods.fp import FullPrecision
-from division.methods.recompute import Checkpoint, Swap
+from division.methods.recompute import Checkpoint, SelectiveCheckpoint, Swap
 from division.methods.wrpn import Wrpn
 
 METHODS: Dict[str, Type[Method]] = {
@@ -20,6 +21,8 @@ METHODS: Dict[str, Type[Method]] = {
     "mesa": Mesa,
     "checkpoint": Checkpoint,
     "swap": Swap,
+    "sac": SelectiveCheckpoint,
+    "compile_budget": CompileBudget,
     "wrpn": Wrpn,
 }
 

@@ -5,3 +5,4 @@ class FullPrecision(Method):
     """Plain autograd: every activation a layer needs is kept as it is."""
 
     name = "fp"
+    compilable = True

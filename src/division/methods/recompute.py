@@ -42,6 +42,7 @@ class Checkpoint(Method):
             raise ValueError(f"granularity={granularity!r} is invalid; valid choices: {list(GRANULARITIES)}")
         self.granularity = granularity
         self._inputs = {}
+        self._kept = {}
         self._ids = TensorIds()
 
     def prepare(self, model):
@@ -51,7 +52,7 @@ class Checkpoint(Method):
         method = self
 
         def begin(mod, args):
-            method._inputs, method._ids = {}, TensorIds()
+            method._inputs, method._kept, method._ids = {}, {}, TensorIds()
 
         for seg in segments:
             plain = type(seg).forward
@@ -61,14 +62,17 @@ class Checkpoint(Method):
                     return _plain(self, x)
                 key = method._ids(x)
                 method._inputs.setdefault(key, (x.untyped_storage().nbytes(), x.numel() * x.element_size()))
-                ctx = (lambda m=self: (contextlib.nullcontext(), frozen_batchnorm_stats(m)))
-                return checkpoint(_plain, self, x, use_reentrant=False, context_fn=ctx)
+                return method._checkpoint(_plain, self, x)
             seg.forward = types.MethodType(forward, seg)
             self.covered.append(type(seg).__name__)
         self._handles = [model.register_forward_pre_hook(begin)]
         self.notes = [f"{len(segments)} {self.granularity} segments recomputed in backward; held = their inputs "
                       "plus what autograd keeps outside them"]
         return model
+
+    def _checkpoint(self, plain, module, x):
+        ctx = (lambda: (contextlib.nullcontext(), frozen_batchnorm_stats(module)))
+        return checkpoint(plain, module, x, use_reentrant=False, context_fn=ctx)
 
     def ids(self):
         return self._ids
@@ -77,6 +81,71 @@ class Checkpoint(Method):
         from division.memory import SaveRecord
         return [SaveRecord("segment input", "checkpoint", "full", (), fp, [(key[:3], nbytes)], fp_key=key)
                 for key, (nbytes, fp) in self._inputs.items()]
+
+
+SAC_SAVED_OPS = ("convolution", "mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+
+
+class SelectiveCheckpoint(Checkpoint):
+    """PyTorch's selective activation checkpointing (``torch.utils.checkpoint`` with
+    ``create_selective_checkpoint_contexts``) per block: the outputs of convolutions and matrix products are
+    kept, everything else (batch norm, ReLU, additions) is recomputed in backward. Held bytes = the block
+    inputs, the kept outputs (recorded as the policy decides, since SAC keeps them outside autograd's saved
+    tensors), and what autograd keeps outside the blocks."""
+
+    name = "sac"
+
+    def __init__(self, name=None, granularity: str = "block", saved_ops=SAC_SAVED_OPS):
+        super().__init__(name, granularity)
+        unknown = [op for op in saved_ops if not hasattr(torch.ops.aten, op)]
+        if unknown:
+            raise ValueError(f"saved_ops {unknown} are not aten operators; valid examples: {list(SAC_SAVED_OPS)}")
+        self.saved_ops = frozenset(getattr(torch.ops.aten, op) for op in saved_ops)
+        self._kept = {}
+
+    def _context(self, module):
+        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+        method = self
+
+        def policy(ctx, op, *args, **kwargs):
+            if op.overloadpacket in method.saved_ops:
+                if not ctx.is_recompute:
+                    for out in (ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else (ctx.op_output,)):
+                        if isinstance(out, torch.Tensor):
+                            method._kept.setdefault(method._ids(out), (out.untyped_storage().nbytes(),
+                                                                        out.numel() * out.element_size()))
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        caching, cached = create_selective_checkpoint_contexts(policy)
+        return caching, _Both(frozen_batchnorm_stats(module), cached)  # statistics frozen outside the mode
+
+    def _checkpoint(self, plain, module, x):
+        return checkpoint(plain, module, x, use_reentrant=False, context_fn=lambda: self._context(module),
+                          respect_saved_tensors_hooks=False)
+
+    def policy_records(self):
+        from division.memory import SaveRecord
+        kept = [SaveRecord("selectively saved output", "sac", "full", (), fp, [(key[:3], nbytes)], fp_key=key)
+                for key, (nbytes, fp) in self._kept.items()]
+        return super().policy_records() + kept
+
+
+class _Both(contextlib.ContextDecorator):
+    """Two context managers entered in order and left in reverse, as one (frozen batch-norm statistics, then
+    the recompute mode)."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __enter__(self):
+        self.first.__enter__()
+        self.second.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.second.__exit__(*exc)
+        return self.first.__exit__(*exc)
 
 
 class Swap(Method):
