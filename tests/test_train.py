@@ -44,13 +44,62 @@ def test_skip_done(tmp_path, capsys):
     assert "skip:" in capsys.readouterr().out
 
 
-def test_wandb_offline_writes_run(tmp_path, monkeypatch):
+def _leveldb_log_records(path: Path):
+    """The records of a W&B transaction log (.wandb): a 7-byte header, then LevelDB log format: 32 KiB
+    blocks of records (crc32c 4 bytes, length 2, type 1: full/first/middle/last; a block tail shorter
+    than a record header is padding)."""
+    raw, block = path.read_bytes(), 32768
+    assert raw[:4] == b":W&B", "not a W&B transaction log"
+    records, pending, i = [], b"", 7
+    while i + 7 <= len(raw):
+        left = block - i % block
+        if left < 7:
+            i += left
+            continue
+        length, kind = int.from_bytes(raw[i + 4:i + 6], "little"), raw[i + 6]
+        chunk = raw[i + 7:i + 7 + length]
+        i += 7 + length
+        if kind == 1:
+            records.append(chunk)
+        elif kind == 2:
+            pending = chunk
+        elif kind == 3:
+            pending += chunk
+        elif kind == 4:
+            records.append(pending + chunk)
+            pending = b""
+    return records
+
+
+def _wandb_records(run_dir: Path):
+    """History rows and config of an offline W&B run, read from its .wandb file."""
+    from wandb.proto import wandb_internal_pb2
+    history, config = [], {}
+    for data in _leveldb_log_records(next(run_dir.glob("*.wandb"))):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(data)
+        if record.HasField("history"):
+            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                            for item in record.history.item})
+        elif record.HasField("run"):
+            config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
+    return history, config
+
+
+def test_wandb_offline_run_holds_steps_epochs_and_memory_table(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    result = run_train(SYN + ["method=fp", "trainer.max_steps=1", "logger=wandb"], tmp_path)
+    result = run_train(SYN + ["method=division", "trainer.epochs=1", "logger=wandb", "logger.log_every=2"], tmp_path)
     assert result["status"] == "ok"
     runs = list(Path(tmp_path, "outputs", "wandb").glob("offline-run-*"))
     assert runs, "no offline W&B run directory"
+    history, config = _wandb_records(runs[0])
+    steps = [h for h in history if "step/train_loss" in h]
+    assert [h["_step"] for h in steps] == [2, 4]
+    assert all(h["step/lr"] > 0 and h["step/img_s"] > 0 for h in steps)
+    assert any("train_loss" in h and "top1" in h for h in history)  # the per-epoch metrics
+    assert any(h.get("memory_layers/_type") == "table-file" for h in history)  # the memory report as a wandb.Table
+    assert config["method"]["name"] == "division" and config["model"]["name"] == "resnet20"
 
 
 def test_bad_trainer_values(tmp_path):

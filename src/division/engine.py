@@ -5,7 +5,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -33,6 +33,8 @@ class StepState:
     progress: bool = True
     scaler: Optional[object] = None
     dist_info: dist.DistInfo = field(default_factory=dist.DistInfo)
+    log_every: int = 0  # steps between per-step log points (0 = none)
+    on_log: Optional[Callable[[dict, int], None]] = None  # receives (metrics, global step)
 
     @property
     def done(self) -> bool:
@@ -161,6 +163,7 @@ def train_one_epoch(model: nn.Module, method, loader, optimizer, scheduler, stat
     report = fp = None
     step_peak = None
     steps = 0
+    window = [0.0, 0.0, 0.0, 0]  # loss sum, images, compute seconds, steps since the last log point
     start = time.perf_counter()
     bar = _progress(loader, state.progress and state.dist_info.is_main, f"epoch {epoch}")
     for x, y in bar:
@@ -191,6 +194,15 @@ def train_one_epoch(model: nn.Module, method, loader, optimizer, scheduler, stat
         seen += n
         steps += 1
         state.global_step += 1
+        window[0] += loss_value
+        window[3] += 1
+        if not account:
+            window[1] += n
+            window[2] += out.seconds
+        if state.on_log is not None and state.log_every and state.global_step % state.log_every == 0:
+            state.on_log({"step/train_loss": window[0] / window[3], "step/lr": optimizer.param_groups[0]["lr"],
+                          "step/img_s": window[1] / window[2] if window[2] else None, "epoch": epoch}, state.global_step)
+            window = [0.0, 0.0, 0.0, 0]
         if steps == state.measured_steps:
             step_peak = meter.peak()
         if bar is not loader:

@@ -9,6 +9,9 @@ class NullLogger:
     def summary(self, metrics: dict) -> None:
         pass
 
+    def table(self, name: str, rows: list, step: int) -> None:
+        pass
+
     def finish(self) -> None:
         pass
 
@@ -19,8 +22,9 @@ class WandbLogger(NullLogger):
         try:
             import wandb
             self.run = wandb.init(project=cfg.project, entity=cfg.get("entity"), mode=cfg.mode, dir=cfg.dir,
-                                  name=run_name, config=run_config, tags=list(cfg.get("tags") or []),
-                                  reinit=True)
+                                  name=run_name, id=run_name if cfg.get("id_from_run", True) else None,
+                                  group=cfg.get("group"), config=run_config, tags=list(cfg.get("tags") or []),
+                                  reinit=True, resume="allow")
         except Exception as err:  # W&B problems of any kind become a warning
             warnings.warn(f"W&B disabled: {type(err).__name__}: {err}")
 
@@ -37,6 +41,15 @@ class WandbLogger(NullLogger):
 
     def summary(self, metrics):
         self._safe(lambda: self.run.summary.update(metrics))
+
+    def table(self, name, rows, step):
+        """Rows (dicts with the same keys) as a wandb.Table, e.g. the per-layer memory report."""
+        def log():
+            import wandb
+            columns = list(rows[0]) if rows else []
+            data = [[r[c] if isinstance(r[c], (int, float, str)) else str(r[c]) for c in columns] for r in rows]
+            self.run.log({name: wandb.Table(columns=columns, data=data)}, step=step)
+        self._safe(log)
 
     def finish(self):
         self._safe(lambda: self.run.finish())

@@ -157,6 +157,8 @@ def run(cfg: DictConfig) -> dict:
             print(f"resume: {ckpt_path} at epoch {start_epoch}, step {state.global_step}")
 
     logger = loggers.build(cfg.logger, resolved, run_dir.name, info.is_main)
+    state.log_every = int(cfg.logger.get("log_every", 0) or 0)
+    state.on_log = lambda metrics, step: logger.log({k: v for k, v in metrics.items() if v is not None}, step=step)
     t_start = time.perf_counter() - result["wall_time_s"]
 
     def write(status):
@@ -174,6 +176,7 @@ def run(cfg: DictConfig) -> dict:
             report = metrics.pop("_report", None)
             if report is not None and info.is_main and epoch == start_epoch:
                 results.write_json(run_dir / "memory_layers.json", {"summary": report.summary(), "layers": report.layers})
+                logger.table("memory_layers", report.layers, state.global_step)
             if (epoch + 1) % int(cfg.trainer.get("eval_every", 1)) == 0 or epoch == epochs - 1 or state.done:
                 metrics.update(engine.evaluate(train_model, test_loader, state))
             metrics = {"epoch": epoch + 1, "global_step": state.global_step, **metrics,
