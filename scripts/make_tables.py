@@ -17,7 +17,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from division import results  # noqa: E402
 from division.analysis import mean_interval  # noqa: E402
-METHOD_ORDER = ["fp", "checkpoint", "swap", "blpa", "actnn", "division", "division_nolfc"]
+METHOD_ORDER = ["fp", "checkpoint", "sac", "compile_budget:budget=0.5", "compile_budget:budget=0.1", "swap", "blpa",
+                "mesa", "actnn", "division", "division_nolfc", "division_plus", "wrpn"]
 PAPER_NAMES = {"fp": "vanilla", "checkpoint": "checkpoint", "blpa": "blpa", "actnn": "actnn", "division": "division"}
 GB = 1024 ** 3
 MB = 1024 ** 2
@@ -115,6 +116,44 @@ def memory_table(bench, paper, out: Path):
             f"vanilla/method.", recs)
         texts.append(_write_table(out / f"memory_{suite}", header, rows, caption))
         _plot_memory(recs, out / f"memory_{suite}.png", f"{suite}: {'; '.join(devices)}")
+    return texts
+
+
+ABLATION_LABELS = {
+    "division": "DIVISION (the paper)",
+    "division_plus": "division_plus (every contribution on)",
+    "division_plus:fuse_bn_relu=false": "division_plus without the fused BN->ReLU saving",
+    "division_plus:stat_dtype=fp32": "division_plus with fp32 map statistics",
+    "division_plus:block_size=8": "division_plus with B=8 LFC blocks",
+    "division_plus:small_map_elems=256": "division_plus plus groups for maps <= 256 elements",
+    "division:fuse_bn_relu=true": "DIVISION plus the fused BN->ReLU saving only",
+}
+
+
+def ablation_table(bench, out: Path):
+    """Each contribution of division_plus on and off: held bytes and ratio, change against division_plus."""
+    texts = []
+    for suite in sorted({r.get("suite") for r in bench if r.get("method") == "division_plus"}):
+        recs = [r for r in bench if r.get("suite") == suite and r["status"] == "ok" and r["method"] in ABLATION_LABELS
+                and r.get("amp", "none") == "none"]
+        rows = []
+        for model in sorted({r["model"] for r in recs}):
+            for batch in sorted({r["batch_size"] for r in recs if r["model"] == model}):
+                here = {r["method"]: r for r in recs if r["model"] == model and r["batch_size"] == batch}
+                full = here.get("division_plus")
+                for method, label in ABLATION_LABELS.items():
+                    rec = here.get(method)
+                    if rec is None:
+                        continue
+                    change = (f"{100 * (rec['act_mem_bytes'] / full['act_mem_bytes'] - 1):+.1f} %" if full else "")
+                    rows.append([model, batch, label, f"{rec['act_mem_bytes'] / MB:.2f}",
+                                 f"{rec['act_compression']:.2f}x", change])
+        caption = _caption(f"division_plus ablation, suite '{suite}': activation memory held for backward with each "
+                           "contribution switched off (or, for DIVISION, on alone); change = held bytes against "
+                           "division_plus.", recs)
+        texts.append(_write_table(out / f"division_plus_ablation_{suite}", ["model", "batch", "variant", "held MiB",
+                                                                          "ratio", "held vs division_plus"],
+                                  rows, caption))
     return texts
 
 
@@ -376,7 +415,7 @@ def main(argv=None):
             r["round"] = parts[1]
     runs = [r for r in _load(res / "runs") if "epochs" in r]
     maxb = [r for r in _load(res / "max_batch") if "max_batch" in r and ".probe" not in r["_path"]]
-    texts = memory_table(bench, paper, out) + throughput_table(bench, paper, out) + \
+    texts = memory_table(bench, paper, out) + ablation_table(bench, out) + throughput_table(bench, paper, out) + \
         accuracy_tables(runs, paper, out, args.experiment) + max_batch_table(maxb, out)
     print("\n\n".join(texts) if texts else "no results found")
     print(f"\nwrote {out}")

@@ -59,6 +59,14 @@ def test_bench_config_rejects_unknown_keys(tmp_path):
     assert proc.returncode != 0 and "unknown keys ['model']" in proc.stderr
 
 
+def test_suite_method_specs_with_options_stay_apart(tmp_path):
+    from division.bench import parse
+    suite = tmp_path / "s.yaml"
+    suite.write_text('suite: s\nmethods: [fp, "division_plus:fuse_bn_relu=false", "compile_budget:budget=0.5"]\n')
+    args = parse(["--config", str(suite)])
+    assert args.methods.split(";") == ["fp", "division_plus:fuse_bn_relu=false", "compile_budget:budget=0.5"]
+
+
 def _fixture(root: Path):
     ref = ROOT / "results" / "reference" / "division_paper_numbers.json"
     (root / "reference").mkdir(parents=True)

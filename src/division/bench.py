@@ -133,7 +133,9 @@ def parse(argv=None):
                  if a.startswith("--")}
         for key, value in suite.items():
             if key not in given:
-                setattr(args, key, ",".join(map(str, value)) if isinstance(value, list) else value)
+                if isinstance(value, list):  # method specs with options (``name:k=v``) are separated by ";"
+                    value = (";" if any(":" in str(v) for v in value) else ",").join(map(str, value))
+                setattr(args, key, value)
     return args
 
 
