@@ -39,9 +39,11 @@ class BnReluInput:
         self.bn, self.mask, self.packed_shape = bn, mask, tuple(shape)
 
     def decode(self) -> torch.Tensor:
-        y = self.bn.saved.decode().float()
-        a = torch.addcmul(self.bn.beta[None, :, None, None], y, self.bn.alpha[None, :, None, None])
-        del y
+        """The batch norm's backward comes right after (through the ReLU's): it gets this decode of ``y``
+        once, instead of decoding it again (``Saved.keep_decoded``)."""
+        y = self.bn.saved.decode()
+        self.bn.saved.keep_decoded(y)
+        a = torch.addcmul(self.bn.beta[None, :, None, None], y.float(), self.bn.alpha[None, :, None, None])
         return self.mask.apply(a).to(self.bn.dtype)
 
     def nbytes(self) -> int:

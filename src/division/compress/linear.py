@@ -64,11 +64,14 @@ def _pointwise_input_grad(shape, w, grad, stride):
     """dX of a 1x1 convolution: W^T (Cin x Cout) @ grad_n, scattered to the strided positions."""
     n, cin, h, wd = shape
     cout = w.shape[0]
-    gy = torch.matmul(w.view(cout, cin).t(), grad.reshape(n, cout, -1))
+    wt = w.view(cout, cin).t()
+    gy = grad.new_empty((n, cin) + tuple(grad.shape[2:]))
+    for i in range(n):  # one product per sample into its slice: a batched matmul would transpose-copy the batch
+        torch.mm(wt, grad[i].reshape(cout, -1), out=gy[i].view(cin, -1))
     if tuple(stride) == (1, 1):
-        return gy.view(shape)
+        return gy
     gx = grad.new_zeros(shape)
-    gx[:, :, ::stride[0], ::stride[1]] = gy.view(n, cin, *grad.shape[2:])
+    gx[:, :, ::stride[0], ::stride[1]] = gy
     return gx
 
 

@@ -186,15 +186,22 @@ class SavePolicy:
 
 class Saved:
     """A packed activation and, with ``reuse_relu_mask``, the exact mask of the ReLU that produced it.
-    ``pending`` holds (tensor, layer) while a batch norm's input waits for its encoding."""
+    ``pending`` holds (tensor, layer) while a batch norm's input waits for its encoding; ``decoded`` a decode
+    handed on to the next reader (the fused conv's backward to the batch norm's)."""
 
-    __slots__ = ("packed", "mask", "packed_shape", "pending")
+    __slots__ = ("packed", "mask", "packed_shape", "pending", "decoded")
 
     def __init__(self, packed: Packed, mask: Optional[BitMask], shape=None):
-        self.packed, self.mask, self.packed_shape, self.pending = packed, mask, shape, None
+        self.packed, self.mask, self.packed_shape, self.pending, self.decoded = packed, mask, shape, None, None
+
+    def keep_decoded(self, x: torch.Tensor):
+        """Hand ``x`` (this tensor decoded) to the next :meth:`decode`, once."""
+        self.decoded = x
 
     def decode(self) -> torch.Tensor:
-        x = self.packed.decode()
+        x, self.decoded = self.decoded, None
+        if x is None:
+            x = self.packed.decode()
         return x if self.mask is None else self.mask.apply(x)
 
 

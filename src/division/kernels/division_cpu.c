@@ -6,6 +6,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __BMI2__
+#include <immintrin.h>
+#endif
 
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
@@ -164,7 +167,20 @@ static void upsample_map(const uint16_t *restrict lm, int64_t h, int64_t w, int6
 
 /* The bits of one map (elements base .. base + n - 1 of a packed bit mask) as bytes. */
 static void split_bits(const uint8_t *restrict split, int64_t base, int64_t n, uint8_t *restrict sbuf) {
-    for (int64_t e = 0; e < n; e++) sbuf[e] = (split[(base + e) >> 3] >> ((base + e) & 7)) & 1u;
+    int64_t e = 0;
+    if ((base & 7) == 0) {  /* whole bytes: bit t of byte k -> sbuf[8k + t], one word per byte */
+        const uint8_t *restrict s = split + (base >> 3);
+        for (; e + 8 <= n; e += 8) {
+#ifdef __BMI2__
+            const uint64_t v = _pdep_u64(s[e >> 3], 0x0101010101010101ull);
+#else
+            uint64_t v = 0;
+            for (int t = 0; t < 8; t++) v |= (uint64_t)((s[e >> 3] >> t) & 1u) << (8 * t);
+#endif
+            memcpy(sbuf + e, &v, 8);
+        }
+    }
+    for (; e < n; e++) sbuf[e] = (split[(base + e) >> 3] >> ((base + e) & 7)) & 1u;
 }
 
 /* Two ranges of one map's values, by split bit: minimum[b], scale[b] for b = 0, 1 (0, 0 for an empty side). */
