@@ -114,3 +114,27 @@ def test_triton_backend_without_triton_device_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(triton_codecs, "available", lambda device: False)
     with pytest.raises(RuntimeError, match="backend='triton'"):
         DivisionCodec(backend="triton").encode(torch.randn(1, 2, 8, 8))
+
+
+@pytest.mark.parametrize("shape", [(1, 5, 7, 7), (2, 3, 13, 17)])
+def test_triton_split_ranges_and_bf16_statistics(shape):
+    """division_plus's codec on the Triton path: two ranges per map chosen by an exact mask, bf16 statistics
+    rounded outward (the same values the PyTorch reference computes), decodes within one step, unbiased."""
+    torch.manual_seed(0)
+    x = torch.randn(shape, device=DEVICE)
+    split = BitMask.encode(x * 2 + 0.3 > 0)
+    tri_codec = DivisionCodec(block_size=4, backend="triton", stat_dtype="bf16")
+    ref_codec = DivisionCodec(block_size=4, backend="reference", stat_dtype="bf16")
+    tri, ref = tri_codec.encode(x, split), ref_codec.encode(x, split)
+    assert tri.backend == "triton" and tri.hfc.split is split
+    assert tri.hfc.minimum.dtype == torch.bfloat16 and tri.hfc.minimum.numel() == 2 * shape[0] * shape[1]
+    torch.testing.assert_close(tri.hfc.minimum.float(), ref.hfc.minimum.float(), rtol=0, atol=0.02)
+    torch.testing.assert_close(tri.hfc.scale.float(), ref.hfc.scale.float(), rtol=0.02, atol=1e-3)
+    y = tri.decode()
+    side = split.decode().view(shape[0] * shape[1], -1).long()
+    step = tri.hfc.scale.float().view(-1, 2).gather(1, side).view(shape)
+    assert ((y - x).abs() <= step * 1.001 + 1e-5).all()
+    draws = 40  # the interpreter is slow
+    mean = sum(tri_codec.encode(x, split).decode() for _ in range(draws)) / draws
+    single = (y - x).pow(2).mean().sqrt()
+    assert (mean - x).pow(2).mean().sqrt() < 4 * single / math.sqrt(draws)

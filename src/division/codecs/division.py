@@ -125,17 +125,18 @@ class DivisionCodec:
 
     def encode(self, x: torch.Tensor, split=None) -> Packed:
         """``split``: an exact mask the decoder holds too (BitMask over ``x``, a following ReLU's): the HFC of
-        each map then gets one range per side of the mask (CPU kernel and PyTorch; ignored by Triton)."""
+        each map then gets one range per side of the mask (every backend)."""
         if x.dim() != 4:
             raise ValueError(f"DivisionCodec expects (N, C, H, W); got shape {tuple(x.shape)}")
         n, c, h, w = x.shape
         block_hw = lfc_blocks(h, w, self.block_size)
         if h * w == 1 or x.numel() < self.min_numel or self.map_nbytes(h, w) >= 2 * h * w:
             return Bf16Copy.encode(x)
-        if self.stat_dtype == "fp32" and use_triton(x, self.backend):
+        if use_triton(x, self.backend):
             lfc = self._lfc(x, block_hw)  # in x's dtype (no fp32 copy); a NaN or Inf flags its map on the device
             q = quantize_rows_triton(x.reshape(n * c, h * w), self.hfc_bits, self.stochastic, lfc=lfc,
-                                     map_hw=(h, w), block_hw=block_hw)
+                                     map_hw=(h, w), block_hw=block_hw, split=split,
+                                     stat_bf16=self.stat_dtype == "bf16")
             return DivisionPacked(lfc, q, block_hw, x.shape, x.dtype)
         lib = self._compiled_library(x)
         if lib is not None:

@@ -141,7 +141,8 @@ class QuantizedTensor(Packed):
         if self.backend == "triton":
             from division.kernels import triton_codecs
             out = triton_codecs.decode_rows(self.packed, self.minimum, self.scale, self.bad_rows, self.rows,
-                                            self.row_len, self.bits, lfc, map_hw, block_hw)
+                                            self.row_len, self.bits, lfc, map_hw, block_hw,
+                                            None if self.split is None else self.split.packed)
             return out.to(dtype or self.dtype)
         if self.backend == "compiled" and self.bad_index is None:
             return decode_rows_compiled(self).to(dtype or self.dtype)
@@ -166,17 +167,17 @@ def quantize_per_row(x2d: torch.Tensor, bits: int, stochastic: bool = True,
     Stochastic rounding (floor(v + u), u ~ U[0,1)) makes the decoded value unbiased. A constant row has
     scale 0 and decodes exactly. ``minimum``/``maximum`` (one per row, or one for all rows) override the row
     statistics; values outside them are clamped (BLPA's per-layer range uses this). ``stat_dtype='bf16'``
-    holds each row's minimum and scale in 16 bits (rounded outward, used as stored by encode and decode;
-    CPU kernel or PyTorch, not Triton). ``split``, an exact mask over the flattened ``x2d`` that the decoder
-    also holds (a ReLU's), gives each row two ranges, one per side of the mask (CPU kernel or PyTorch).
+    holds each row's minimum and scale in 16 bits (rounded outward, used as stored by encode and decode).
+    ``split``, an exact mask over the flattened ``x2d`` that the decoder also holds (a ReLU's), gives each row
+    two ranges, one per side of the mask. Every backend implements both.
     """
     rows, row_len = x2d.shape
     stat_bf16 = check_stat_dtype(stat_dtype) == "bf16"
     if split is not None and (minimum is not None or split.packed.device != x2d.device):
         split = None
-    if not stat_bf16 and split is None and use_triton(x2d, check_backend(backend)):
+    if use_triton(x2d, check_backend(backend)):
         if minimum is None and maximum is None:
-            return quantize_rows_triton(x2d, bits, stochastic, generator)
+            return quantize_rows_triton(x2d, bits, stochastic, generator, split=split, stat_bf16=stat_bf16)
         if minimum.numel() == 1 and maximum.numel() == 1:
             return quantize_rows_triton(x2d, bits, stochastic, generator, fixed_range=(minimum, maximum))
     if x2d.device.type == "cpu" and x2d.dtype in (torch.float32, torch.bfloat16):
@@ -190,13 +191,16 @@ def quantize_per_row(x2d: torch.Tensor, bits: int, stochastic: bool = True,
 
 
 def quantize_rows_triton(x2d, bits, stochastic=True, generator=None, lfc=None, map_hw=None, block_hw=None,
-                         fixed_range=None):
+                         fixed_range=None, split=None, stat_bf16=False):
     """The Triton kernel (division/kernels/triton_codecs.py): no host synchronisation."""
     from division.kernels import triton_codecs
     rows, row_len = x2d.shape
+    split = split if split is not None and fixed_range is None else None
     packed, mn, scale, bad = triton_codecs.encode_rows(x2d, rows, row_len, bits, stochastic, lfc, map_hw, block_hw,
-                                                       generator, fixed_range)
-    return QuantizedTensor(packed, mn, scale, bits, rows, row_len, x2d.dtype, backend="triton", bad_rows=bad)
+                                                       generator, fixed_range, None if split is None else split.packed,
+                                                       stat_bf16)
+    return QuantizedTensor(packed, mn, scale, bits, rows, row_len, x2d.dtype, backend="triton", bad_rows=bad,
+                           split=split)
 
 
 def quantize_rows_reference(x2d, bits, stochastic=True, minimum=None, maximum=None, generator=None,

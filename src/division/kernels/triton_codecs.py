@@ -2,7 +2,7 @@
 without an LFC) and ReLU mask pack/apply.
 
 Layout is the reference's (``division.codecs``): rows of ``row_len`` elements (a (sample, channel) map, or
-an ActNN group), one minimum and scale per row in fp32, codes packed little end first over the flattened
+an ActNN group), one minimum and scale per row in fp32 or bf16 (two per row with a split mask), codes packed little end first over the flattened
 tensor, 8/bits codes per byte. One program per row; a row is loaded as a (BLOCK/PER, PER) tile so that the
 PER codes of one byte are reduced into it in registers.
 
@@ -34,10 +34,42 @@ def available(device: torch.device) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _encode_rows(x_ptr, lfc_ptr, packed_ptr, codes_ptr, min_ptr, scale_ptr, bad_ptr, seed,
+    def _bf16_down(v):
+        """bf16 value at or below ``v`` (as float32): truncate, one more unit of magnitude if negative."""
+        u = v.to(tl.uint32, bitcast=True)
+        t = u & 0xFFFF0000
+        t = tl.where((t != u) & ((u >> 31) != 0), t + 0x10000, t)
+        return t.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _bf16_up(v):
+        """bf16 value at or above ``v`` >= 0 (as float32)."""
+        u = v.to(tl.uint32, bitcast=True)
+        t = u & 0xFFFF0000
+        t = tl.where(t != u, t + 0x10000, t)
+        return t.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _range(x, chosen, levels, STAT_BF16: tl.constexpr):
+        """Minimum and scale of the chosen elements (0, 0 when none), bf16-rounded outward if asked."""
+        mn = tl.min(tl.min(tl.where(chosen, x, float("inf")), axis=1), axis=0)
+        mx = tl.max(tl.max(tl.where(chosen, x, -float("inf")), axis=1), axis=0)
+        empty = mn > mx
+        mn = tl.where(empty, 0.0, mn)
+        mx = tl.where(empty, 0.0, mx)
+        if STAT_BF16:
+            mn = _bf16_down(mn)
+            scale = _bf16_up((mx - mn) / levels)
+        else:
+            scale = (mx - mn) / levels
+        return mn, scale
+
+    @triton.jit
+    def _encode_rows(x_ptr, lfc_ptr, packed_ptr, codes_ptr, min_ptr, scale_ptr, bad_ptr, split_ptr, seed,
                      row_len, w, wb, bh, bw, lfc_row,
                      BITS: tl.constexpr, PER: tl.constexpr, BLOCK: tl.constexpr, HAS_LFC: tl.constexpr,
-                     STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr, FIXED: tl.constexpr):
+                     STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr, FIXED: tl.constexpr,
+                     SPLIT: tl.constexpr, STAT_BF16: tl.constexpr):
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK // PER)[:, None] * PER + tl.arange(0, PER)[None, :]
         inside = offs < row_len
@@ -50,13 +82,22 @@ if triton is not None:
         bad = tl.max(tl.max(tl.where(inside & ~finite, 1, 0), axis=1), axis=0)
         x = tl.where(finite, x, 0.0)
         levels = (1 << BITS) - 1
-        if FIXED:  # one range for every row (BLPA), given in element 0
+        if SPLIT:  # two ranges, one per side of an exact mask the decoder holds too
+            flat = row * row_len + offs
+            side = ((tl.load(split_ptr + flat // 8, mask=inside, other=0).to(tl.int32) >> (flat % 8)) & 1) != 0
+            mn0, scale0 = _range(x, inside & ~side, levels, STAT_BF16)
+            mn1, scale1 = _range(x, inside & side, levels, STAT_BF16)
+            tl.store(min_ptr + 2 * row, mn0)
+            tl.store(min_ptr + 2 * row + 1, mn1)
+            tl.store(scale_ptr + 2 * row, scale0)
+            tl.store(scale_ptr + 2 * row + 1, scale1)
+            mn = tl.where(side, mn1, mn0)
+            scale = tl.where(side, scale1, scale0)
+        elif FIXED:  # one range for every row (BLPA), given in element 0
             mn = tl.load(min_ptr)
             scale = tl.load(scale_ptr)
         else:
-            mn = tl.min(tl.min(tl.where(inside, x, float("inf")), axis=1), axis=0)
-            mx = tl.max(tl.max(tl.where(inside, x, -float("inf")), axis=1), axis=0)
-            scale = (mx - mn) / levels
+            mn, scale = _range(x, inside, levels, STAT_BF16)
         inv = tl.where(scale > 0, 1.0 / scale, 0.0)
         v = (x - mn) * inv
         if STOCHASTIC:
@@ -64,7 +105,7 @@ if triton is not None:
         else:
             v = v + 0.5
         q = tl.minimum(tl.maximum(tl.floor(v), 0.0), levels).to(tl.int32)
-        if not FIXED:
+        if not FIXED and not SPLIT:
             tl.store(min_ptr + row, mn)
             tl.store(scale_ptr + row, scale)
         tl.store(bad_ptr + row, bad.to(tl.int8))
@@ -78,10 +119,10 @@ if triton is not None:
             tl.store(codes_ptr + row * row_len + offs, q.to(tl.uint8), mask=inside)
 
     @triton.jit
-    def _decode_rows(packed_ptr, lfc_ptr, min_ptr, scale_ptr, bad_ptr, out_ptr,
+    def _decode_rows(packed_ptr, lfc_ptr, min_ptr, scale_ptr, bad_ptr, out_ptr, split_ptr,
                      row_len, w, wb, bh, bw, lfc_row,
                      BITS: tl.constexpr, PER: tl.constexpr, BLOCK: tl.constexpr, HAS_LFC: tl.constexpr,
-                     SHARED: tl.constexpr):
+                     SHARED: tl.constexpr, SPLIT: tl.constexpr):
         row = tl.program_id(0)
         stat = 0 if SHARED else row
         offs = tl.arange(0, BLOCK)
@@ -89,7 +130,11 @@ if triton is not None:
         flat = row * row_len + offs
         byte = tl.load(packed_ptr + flat // PER, mask=inside, other=0).to(tl.int32)
         q = (byte >> ((flat % PER) * BITS)) & ((1 << BITS) - 1)
-        x = tl.load(min_ptr + stat) + q.to(tl.float32) * tl.load(scale_ptr + stat)
+        if SPLIT:
+            side = (tl.load(split_ptr + flat // 8, mask=inside, other=0).to(tl.int32) >> (flat % 8)) & 1
+            x = tl.load(min_ptr + 2 * row + side) + q.to(tl.float32) * tl.load(scale_ptr + 2 * row + side)
+        else:
+            x = tl.load(min_ptr + stat) + q.to(tl.float32) * tl.load(scale_ptr + stat)
         if HAS_LFC:
             block = (offs // w // bh) * wb + (offs % w) // bw
             x = x + tl.load(lfc_ptr + row * lfc_row + block, mask=inside, other=0.0).to(tl.float32)
@@ -120,9 +165,11 @@ def _block(row_len: int, per: int) -> int:
 
 
 def encode_rows(x: torch.Tensor, rows: int, row_len: int, bits: int, stochastic: bool, lfc=None, map_hw=None,
-                block_hw=None, generator=None, fixed_range=None):
+                block_hw=None, generator=None, fixed_range=None, split=None, stat_bf16: bool = False):
     """Quantize ``x`` viewed as (rows, row_len), after subtracting the upsampled ``lfc`` (rows of hb*wb block
-    means of (h, w) maps) if given; ``fixed_range`` = (minimum, maximum) device scalars shared by every row.
+    means of (h, w) maps) if given; ``fixed_range`` = (minimum, maximum) device scalars shared by every row;
+    ``split`` (packed mask bits over the flattened x): two ranges per row, laid out [row, side];
+    ``stat_bf16``: statistics rounded outward to bf16 (returned as bf16).
     Returns (packed, minimum, scale, bad) on x's device (minimum and scale of one element when shared)."""
     from division.codecs.packing import pack_bits, packed_nbytes
     xc = x.contiguous()
@@ -135,34 +182,39 @@ def encode_rows(x: torch.Tensor, rows: int, row_len: int, bits: int, stochastic:
         minimum = fixed_range[0].float().reshape(1).contiguous()
         scale = ((fixed_range[1].float() - fixed_range[0].float()) / ((1 << bits) - 1)).reshape(1).contiguous()
     else:
-        minimum = torch.empty(rows, dtype=torch.float32, device=dev)
-        scale = torch.empty(rows, dtype=torch.float32, device=dev)
+        minimum = torch.empty(rows * (2 if split is not None else 1), dtype=torch.float32, device=dev)
+        scale = torch.empty_like(minimum)
     bad = torch.empty(rows, dtype=torch.int8, device=dev)
     seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=generator).item()) if stochastic else 0
     h, w = map_hw if map_hw else (1, row_len)
     bh, bw = block_hw if block_hw else (1, 1)
     wb = -(-w // bw)
     lfc_row = (-(-h // bh)) * wb
-    _encode_rows[(rows,)](xc, lfc if lfc is not None else xc, packed, codes, minimum, scale, bad, seed,
-                          row_len, w, wb, bh, bw, lfc_row, BITS=bits, PER=per, BLOCK=_block(row_len, per),
-                          HAS_LFC=lfc is not None, STOCHASTIC=bool(stochastic), ALIGNED=aligned,
-                          FIXED=fixed_range is not None)
+    _encode_rows[(rows,)](xc, lfc if lfc is not None else xc, packed, codes, minimum, scale, bad,
+                          split if split is not None else packed, seed, row_len, w, wb, bh, bw, lfc_row, BITS=bits,
+                          PER=per, BLOCK=_block(row_len, per), HAS_LFC=lfc is not None,
+                          STOCHASTIC=bool(stochastic), ALIGNED=aligned, FIXED=fixed_range is not None,
+                          SPLIT=split is not None, STAT_BF16=bool(stat_bf16) and fixed_range is None)
     if not aligned:
         packed = pack_bits(codes, bits)
+    if stat_bf16 and fixed_range is None:
+        minimum, scale = minimum.to(torch.bfloat16), scale.to(torch.bfloat16)  # exact: bf16 values
     return packed, minimum, scale, bad
 
 
 def decode_rows(packed, minimum, scale, bad, rows: int, row_len: int, bits: int, lfc=None, map_hw=None,
-                block_hw=None) -> torch.Tensor:
+                block_hw=None, split=None) -> torch.Tensor:
     """Inverse of :func:`encode_rows`: a float32 (rows, row_len) tensor; flagged rows come back as NaN."""
     out = torch.empty(rows, row_len, dtype=torch.float32, device=packed.device)
     h, w = map_hw if map_hw else (1, row_len)
     bh, bw = block_hw if block_hw else (1, 1)
     wb = -(-w // bw)
-    _decode_rows[(rows,)](packed, lfc if lfc is not None else minimum, minimum, scale, bad, out, row_len, w, wb,
-                          bh, bw, (-(-h // bh)) * wb, BITS=bits, PER=8 // bits,
-                          BLOCK=max(triton.next_power_of_2(row_len), 16), HAS_LFC=lfc is not None,
-                          SHARED=minimum.numel() == 1 and rows > 1)
+    minimum, scale = minimum.float(), scale.float()
+    _decode_rows[(rows,)](packed, lfc if lfc is not None else minimum, minimum, scale, bad, out,
+                          split if split is not None else packed, row_len, w, wb, bh, bw, (-(-h // bh)) * wb,
+                          BITS=bits, PER=8 // bits, BLOCK=max(triton.next_power_of_2(row_len), 16),
+                          HAS_LFC=lfc is not None, SHARED=minimum.numel() == 1 and rows > 1,
+                          SPLIT=split is not None)
     return out
 
 
