@@ -1,113 +1,26 @@
-"""Row-wise stochastic b-bit quantization and the small exact containers (bit masks, bf16 copies).
+"""Row-wise stochastic b-bit quantization: the packed container and its encoders (Triton, the CPU kernel, the
+PyTorch reference).
 
 A row is the unit that shares one minimum and one scale: a (sample, channel) map for DIVISION's HFC, a
 group of 256 contiguous elements for ActNN-style quantization, a whole layer for BLPA.
 """
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from division.codecs.base import (BACKENDS, STAT_DTYPES, VALID_BITS, Packed, _float_kernel, bf16_outward,
+                                  check_backend, check_bits, check_stat_dtype, kernel_library, storage_key,
+                                  unique_nbytes, use_triton)
+from division.codecs.exact import Bf16Copy, BitMask, FullCopy
 from division.codecs.packing import pack_bits, packed_nbytes, unpack_bits
 
-VALID_BITS = (1, 2, 4, 8)
-BACKENDS = ("auto", "reference", "compiled", "triton")
-STAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def check_stat_dtype(stat_dtype) -> str:
-    """The dtype of the per-row minimum and scale. fp16 is not offered: its range (+-65504, scales below
-    6e-8 flush to zero) cannot hold every activation's statistics; bf16 keeps fp32's exponent range."""
-    if stat_dtype not in STAT_DTYPES:
-        raise ValueError(f"stat_dtype={stat_dtype!r} is invalid; valid choices: {list(STAT_DTYPES)}")
-    return stat_dtype
-
-
-def bf16_outward(mn: torch.Tensor, mx: torch.Tensor, levels: int):
-    """bf16 minimum rounded down and scale rounded up (float32 tensors holding bf16 values), so that the
-    stored range still covers [mn, mx] and stochastic rounding with them stays unbiased; the decode uses
-    exactly the values the encode used. Same bit arithmetic as the CPU kernel."""
-    def truncate(t, away):
-        u = t.float().contiguous().view(torch.int32)
-        kept = u & -65536  # 0xFFFF0000: sign, exponent and the top 7 mantissa bits
-        return (kept + torch.where(away & (kept != u), 65536, 0).to(torch.int32)).view(torch.float32)
-
-    low = truncate(mn, mn < 0)  # truncation is toward zero: a negative minimum takes one more unit
-    scale = (mx - low) / levels
-    return low, truncate(scale, torch.ones_like(scale, dtype=torch.bool))
-
-
-def check_backend(backend) -> str:
-    """``auto``: Triton kernels for CUDA tensors, the compiled C kernel for CPU tensors, else PyTorch;
-    ``reference``: pure PyTorch; ``compiled``: the CPU kernel, an error if it cannot be built; ``triton``: the
-    Triton kernels (CUDA, or any device under TRITON_INTERPRET=1). Tensors a kernel cannot take use PyTorch."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is invalid; valid choices: {list(BACKENDS)}")
-    return backend
-
-
-def use_triton(t: torch.Tensor, backend: str) -> bool:
-    """Whether the Triton kernels serve ``t`` under ``backend``."""
-    if backend not in ("auto", "triton") or (backend == "auto" and t.device.type != "cuda"):
-        return False
-    from division.kernels import triton_codecs
-    if triton_codecs.available(t.device):
-        return True
-    if backend == "triton":
-        raise RuntimeError(f"backend='triton' but Triton cannot run on {t.device} (it needs CUDA, or "
-                           "TRITON_INTERPRET=1 for the interpreter); use backend=auto")
-    return False
-
-
-def kernel_library(backend: str):
-    """The compiled library if ``backend`` allows it and it is available, else None."""
-    if backend in ("reference", "triton"):
-        return None
-    from division import kernels
-    lib = kernels.library()
-    if lib is None and backend == "compiled":
-        raise RuntimeError("backend='compiled' but the compiled kernels could not be built (no C compiler?); "
-                           "use backend=auto or backend=reference")
-    return lib
-
-
-def check_bits(bits, what: str = "bits") -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in VALID_BITS:
-        raise ValueError(f"{what}={bits!r} is not supported; valid choices: {list(VALID_BITS)}")
-    return bits
-
-
-def storage_key(t: torch.Tensor):
-    return (t.device.type, t.device.index, t.untyped_storage().data_ptr())
-
-
-def unique_nbytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (a view counts its whole storage, once)."""
-    seen = {}
-    for t in tensors:
-        if t is None:
-            continue
-        seen.setdefault(storage_key(t), t.untyped_storage().nbytes())
-    return sum(seen.values())
-
-
-class Packed(ABC):
-    """A compressed activation: what it holds, how many bytes, how to get the tensor back."""
-
-    kind = "packed"
-    backend = "reference"  # which implementation encoded it: "reference" (PyTorch) or "compiled"
-
-    @abstractmethod
-    def tensors(self):
-        """Every tensor held (None entries allowed), for byte accounting."""
-
-    @abstractmethod
-    def decode(self) -> torch.Tensor:
-        """The rebuilt activation, in its original dtype and shape."""
-
-    def nbytes(self) -> int:
-        return unique_nbytes(self.tensors())
+__all__ = ["QuantizedTensor", "quantize_per_row", "quantize_rows_reference", "quantize_rows_triton",
+           "encode_maps_compiled", "decode_rows_compiled", "expected_quantized_nbytes",
+           # the shared pieces, importable from here as before the split into base/exact
+           "BACKENDS", "STAT_DTYPES", "VALID_BITS", "Packed", "bf16_outward", "check_backend", "check_bits",
+           "check_stat_dtype", "kernel_library", "storage_key", "unique_nbytes", "use_triton", "_float_kernel",
+           "Bf16Copy", "BitMask", "FullCopy"]
 
 
 @dataclass(eq=False)
@@ -350,98 +263,6 @@ def decode_rows_compiled(q: "QuantizedTensor", lfc=None, map_hw=None, block_hw=N
     if failed:
         raise MemoryError(f"decode kernel could not allocate its row buffers ({failed} rows left)")
     return out
-
-
-def _float_kernel(t: torch.Tensor, backend: str):
-    """The compiled library for a CPU float32 tensor, else None (other tensors take the PyTorch path)."""
-    if t.device.type != "cpu" or t.dtype != torch.float32:
-        return None
-    return kernel_library(backend)
-
-
-@dataclass(eq=False)
-class BitMask(Packed):
-    """An exact boolean mask, one bit per element (ReLU's x > 0, dropout's keep mask)."""
-
-    packed: torch.Tensor
-    shape: torch.Size
-    backend: str = "reference"
-    kind = "mask"
-
-    @classmethod
-    def encode(cls, mask: torch.Tensor) -> "BitMask":
-        return cls(pack_bits(mask.reshape(-1).to(torch.uint8), 1), mask.shape)
-
-    @classmethod
-    def positive(cls, y: torch.Tensor, backend: str = "auto") -> "BitMask":
-        """The mask ``y > 0`` (ReLU's), packed in one pass by a kernel where one applies."""
-        if y.is_floating_point() and use_triton(y, backend):
-            from division.kernels import triton_codecs
-            return cls(triton_codecs.mask_positive(y), y.shape, "triton")
-        lib = _float_kernel(y, backend)
-        if lib is None:
-            return cls.encode(y > 0)
-        yc = y.contiguous()
-        packed = torch.empty(packed_nbytes(y.numel(), 1), dtype=torch.uint8)
-        lib.mask_positive(yc.data_ptr(), y.numel(), packed.data_ptr(), torch.get_num_threads())
-        return cls(packed, y.shape, "compiled")
-
-    def apply(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` where the mask is set, 0 elsewhere (with the backend that made the mask)."""
-        if self.backend == "triton":
-            from division.kernels import triton_codecs
-            return triton_codecs.mask_apply(t, self.packed)
-        lib = _float_kernel(t, self.backend) if self.backend == "compiled" else None
-        if lib is None:
-            return torch.where(self.decode().view(t.shape), t, torch.zeros((), dtype=t.dtype, device=t.device))
-        tc = t.contiguous()
-        out = torch.empty(t.shape, dtype=t.dtype)
-        lib.mask_apply(tc.data_ptr(), self.packed.data_ptr(), t.numel(), out.data_ptr(), torch.get_num_threads())
-        return out
-
-    def tensors(self):
-        return [self.packed]
-
-    def decode(self) -> torch.Tensor:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return unpack_bits(self.packed, 1, n).view(self.shape).bool()
-
-
-@dataclass(eq=False)
-class Bf16Copy(Packed):
-    """A tensor too small to be worth compressing, held in bfloat16."""
-
-    data: torch.Tensor
-    dtype: torch.dtype
-    kind = "bf16"
-    backend = "none"  # a plain cast: no codec implementation to choose
-
-    @classmethod
-    def encode(cls, x: torch.Tensor) -> "Bf16Copy":
-        return cls(x.to(torch.bfloat16).contiguous() if x.dtype != torch.bfloat16 else x, x.dtype)
-
-    def tensors(self):
-        return [self.data]
-
-    def decode(self) -> torch.Tensor:
-        return self.data.to(self.dtype)
-
-
-@dataclass(eq=False)
-class FullCopy(Packed):
-    """The activation itself, uncompressed (full precision): a reference, not a copy."""
-
-    data: torch.Tensor
-    kind = "full"
-    backend = "none"
-
-    def tensors(self):
-        return [self.data]
-
-    def decode(self) -> torch.Tensor:
-        return self.data
 
 
 def expected_quantized_nbytes(rows: int, row_len: int, bits: int) -> int:

@@ -11,7 +11,8 @@ import threading
 import warnings
 from pathlib import Path
 
-_SOURCE = Path(__file__).with_name("division_cpu.c")
+_SOURCES = [Path(__file__).with_name(n) for n in ("division_cpu.c", "masks_cpu.c")]
+_HEADERS = [Path(__file__).with_name("bits.h")]
 _LOCK = threading.Lock()
 _LIB = {}
 
@@ -35,7 +36,7 @@ def _machine() -> str:
 
 
 def _build() -> ctypes.CDLL:
-    src = _SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
     tag = hashlib.sha1(src + _machine().encode()).hexdigest()[:16]
     lib_path = _cache_dir() / f"division_cpu_{tag}.so"
     if not lib_path.exists():
@@ -46,8 +47,8 @@ def _build() -> ctypes.CDLL:
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
             out = Path(tmp) / lib_path.name
-            subprocess.run([compiler, "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", str(_SOURCE),
-                            "-o", str(out), "-lm"], check=True, capture_output=True, timeout=120)
+            subprocess.run([compiler, "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno",
+                            *map(str, _SOURCES), "-o", str(out), "-lm"], check=True, capture_output=True, timeout=120)
             os.replace(out, lib_path)
     lib = ctypes.CDLL(str(lib_path))
     p, i64, i32, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64

@@ -6,117 +6,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __BMI2__
-#include <immintrin.h>
-#endif
 
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    uint32_t rounding = 0x7FFFu + ((u >> 16) & 1u);  /* round to nearest even */
-    return (uint16_t)((u + rounding) >> 16);
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = ((uint32_t)h) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* Directed rounding to bf16 (returned as float): the stored minimum rounds down and the stored scale up,
- * so that the 16-bit range still covers the map's values (stochastic rounding stays unbiased). */
-static inline float bf16_down(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    uint32_t t = u & 0xFFFF0000u;
-    if (t != u && (u >> 31)) t += 0x10000u;  /* negative: one more unit of magnitude */
-    memcpy(&f, &t, 4);
-    return f;
-}
-
-static inline float bf16_up(float f) {  /* f >= 0 */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    uint32_t t = u & 0xFFFF0000u;
-    if (t != u) t += 0x10000u;
-    memcpy(&f, &t, 4);
-    return f;
-}
-
-static inline uint64_t splitmix64(uint64_t z) {
-    z += 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-/* A counter-based 32-bit hash (lowbias32): one uniform per element, computed in SIMD lanes. */
-static inline uint32_t hash32(uint32_t z) {
-    z ^= z >> 16;
-    z *= 0x7FEB352Du;
-    z ^= z >> 15;
-    z *= 0x846CA68Bu;
-    return z ^ (z >> 16);
-}
-
-/* codes (one byte each, values < 2^bits) -> packed bytes, little end first; n is a multiple of 8/bits.
- * The codes of one output byte are read as one little-endian word and folded with shifts, so each loop is
- * plain lane-wise integer arithmetic that the compiler vectorises. */
-static void pack_aligned(const uint8_t *restrict c, int64_t n, int bits, uint8_t *restrict out) {
-    switch (bits) {
-    case 1:
-        for (int64_t k = 0; k < n / 8; k++) {
-            uint64_t v;
-            memcpy(&v, c + 8 * k, 8);
-            out[k] = (uint8_t)((v * 0x0102040810204080ull) >> 56);  /* byte t's low bit lands on bit 56 + t, no carries */
-        }
-        break;
-    case 2:
-        for (int64_t k = 0; k < n / 4; k++) {
-            uint32_t v;
-            memcpy(&v, c + 4 * k, 4);
-            out[k] = (uint8_t)((v & 0x3u) | ((v >> 6) & 0xCu) | ((v >> 12) & 0x30u) | ((v >> 18) & 0xC0u));
-        }
-        break;
-    case 4:
-        for (int64_t k = 0; k < n / 2; k++) {
-            uint16_t v;
-            memcpy(&v, c + 2 * k, 2);
-            out[k] = (uint8_t)((v & 0xFu) | ((v >> 4) & 0xF0u));
-        }
-        break;
-    default:
-        memcpy(out, c, (size_t)n);
-    }
-}
-
-static void unpack_aligned(const uint8_t *restrict in, int64_t n, int bits, uint8_t *restrict c) {
-    switch (bits) {
-    case 1:
-        for (int64_t k = 0; k < n / 8; k++) {
-            const uint8_t b = in[k];
-            for (int t = 0; t < 8; t++) c[8 * k + t] = (uint8_t)((b >> t) & 1u);
-        }
-        break;
-    case 2:
-        for (int64_t k = 0; k < n / 4; k++) {
-            const uint32_t b = in[k];
-            const uint32_t v = (b | (b << 6) | (b << 12) | (b << 18)) & 0x03030303u;
-            memcpy(c + 4 * k, &v, 4);
-        }
-        break;
-    case 4:
-        for (int64_t k = 0; k < n / 2; k++) {
-            const uint16_t b = in[k];
-            const uint16_t v = (uint16_t)((b | (b << 4)) & 0x0F0Fu);
-            memcpy(c + 2 * k, &v, 2);
-        }
-        break;
-    default:
-        memcpy(c, in, (size_t)n);
-    }
-}
+#include "bits.h"
 
 /* Means of the blocks of one block row (``rows`` x w) -> bf16 (lm, wb values); ``colsum`` is left holding
  * the stored means upsampled along the row. */
@@ -163,24 +54,6 @@ static void upsample_map(const uint16_t *restrict lm, int64_t h, int64_t w, int6
         }
         for (int64_t r = h0; r < h1; r++) memcpy(up + r * w, row, (size_t)w * sizeof(float));
     }
-}
-
-/* The bits of one map (elements base .. base + n - 1 of a packed bit mask) as bytes. */
-static void split_bits(const uint8_t *restrict split, int64_t base, int64_t n, uint8_t *restrict sbuf) {
-    int64_t e = 0;
-    if ((base & 7) == 0) {  /* whole bytes: bit t of byte k -> sbuf[8k + t], one word per byte */
-        const uint8_t *restrict s = split + (base >> 3);
-        for (; e + 8 <= n; e += 8) {
-#ifdef __BMI2__
-            const uint64_t v = _pdep_u64(s[e >> 3], 0x0101010101010101ull);
-#else
-            uint64_t v = 0;
-            for (int t = 0; t < 8; t++) v |= (uint64_t)((s[e >> 3] >> t) & 1u) << (8 * t);
-#endif
-            memcpy(sbuf + e, &v, 8);
-        }
-    }
-    for (; e < n; e++) sbuf[e] = (split[(base + e) >> 3] >> ((base + e) & 7)) & 1u;
 }
 
 /* Two ranges of one map's values, by split bit: minimum[b], scale[b] for b = 0, 1 (0, 0 for an empty side). */
@@ -378,21 +251,6 @@ int division_encode(const float *x, int64_t maps, int64_t h, int64_t w, int64_t 
     return bad;
 }
 
-void pack_codes(const uint8_t *codes, int64_t numel, int bits, uint8_t *out, int threads) {
-    /* Whole bytes in parallel chunks through the vectorised packer, then the last partial byte. */
-    const int64_t per = 8 / bits, full = numel / per, chunk = 1 << 16;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t k0 = 0; k0 < full; k0 += chunk) {
-        const int64_t k1 = k0 + chunk < full ? k0 + chunk : full;
-        pack_aligned(codes + k0 * per, (k1 - k0) * per, bits, out + k0);
-    }
-    if (numel % per) {
-        uint8_t b = 0;
-        for (int64_t idx = full * per; idx < numel; idx++) b |= (uint8_t)(codes[idx] << (bits * (idx - full * per)));
-        out[full] = b;
-    }
-}
-
 /* Returns the number of maps not decoded for lack of memory (the caller raises). lfc == NULL: no LFC (a plain
  * per-map quantizer). */
 int division_decode(const uint8_t *packed, const uint16_t *lfc, const float *minimum, const float *scale,
@@ -470,33 +328,4 @@ int division_decode(const uint8_t *packed, const uint16_t *lfc, const float *min
         free(sbuf);
     }
     return failed;
-}
-
-/* ReLU mask: bit i of byte k is y[8k + i] > 0 (NaN and -0 give 0), as pack_bits lays out 1-bit codes. */
-void mask_positive(const float *y, int64_t n, uint8_t *out, int threads) {
-    const int64_t full = n / 8;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t k = 0; k < full; k++) {
-        const float *v = y + 8 * k;
-        uint8_t b = 0;
-        for (int t = 0; t < 8; t++) b |= (uint8_t)((v[t] > 0.0f) << t);
-        out[k] = b;
-    }
-    if (n % 8) {
-        uint8_t b = 0;
-        for (int64_t i = full * 8; i < n; i++) b |= (uint8_t)((y[i] > 0.0f) << (i - full * 8));
-        out[full] = b;
-    }
-}
-
-/* out = g where the mask bit is set, else 0 (like ReLU's own backward, a NaN gradient under a 0 bit
- * gives 0). */
-void mask_apply(const float *g, const uint8_t *mask, int64_t n, float *out, int threads) {
-    const int64_t nbytes = (n + 7) / 8;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t k = 0; k < nbytes; k++) {
-        const uint8_t b = mask[k];
-        const int64_t e0 = 8 * k, e1 = e0 + 8 < n ? e0 + 8 : n;
-        for (int64_t e = e0; e < e1; e++) out[e] = ((b >> (e - e0)) & 1u) ? g[e] : 0.0f;
-    }
 }

@@ -1,0 +1,92 @@
+"""Exact containers: bit masks (ReLU, dropout), bf16 copies of tensors too small to compress, full copies."""
+from dataclasses import dataclass
+
+import torch
+
+from division.codecs.base import Packed, _float_kernel, use_triton
+from division.codecs.packing import pack_bits, packed_nbytes, unpack_bits
+
+
+@dataclass(eq=False)
+class BitMask(Packed):
+    """An exact boolean mask, one bit per element (ReLU's x > 0, dropout's keep mask)."""
+
+    packed: torch.Tensor
+    shape: torch.Size
+    backend: str = "reference"
+    kind = "mask"
+
+    @classmethod
+    def encode(cls, mask: torch.Tensor) -> "BitMask":
+        return cls(pack_bits(mask.reshape(-1).to(torch.uint8), 1), mask.shape)
+
+    @classmethod
+    def positive(cls, y: torch.Tensor, backend: str = "auto") -> "BitMask":
+        """The mask ``y > 0`` (ReLU's), packed in one pass by a kernel where one applies."""
+        if y.is_floating_point() and use_triton(y, backend):
+            from division.kernels import triton_codecs
+            return cls(triton_codecs.mask_positive(y), y.shape, "triton")
+        lib = _float_kernel(y, backend)
+        if lib is None:
+            return cls.encode(y > 0)
+        yc = y.contiguous()
+        packed = torch.empty(packed_nbytes(y.numel(), 1), dtype=torch.uint8)
+        lib.mask_positive(yc.data_ptr(), y.numel(), packed.data_ptr(), torch.get_num_threads())
+        return cls(packed, y.shape, "compiled")
+
+    def apply(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` where the mask is set, 0 elsewhere (with the backend that made the mask)."""
+        if self.backend == "triton":
+            from division.kernels import triton_codecs
+            return triton_codecs.mask_apply(t, self.packed)
+        lib = _float_kernel(t, self.backend) if self.backend == "compiled" else None
+        if lib is None:
+            return torch.where(self.decode().view(t.shape), t, torch.zeros((), dtype=t.dtype, device=t.device))
+        tc = t.contiguous()
+        out = torch.empty(t.shape, dtype=t.dtype)
+        lib.mask_apply(tc.data_ptr(), self.packed.data_ptr(), t.numel(), out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def tensors(self):
+        return [self.packed]
+
+    def decode(self) -> torch.Tensor:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return unpack_bits(self.packed, 1, n).view(self.shape).bool()
+
+
+@dataclass(eq=False)
+class Bf16Copy(Packed):
+    """A tensor too small to be worth compressing, held in bfloat16."""
+
+    data: torch.Tensor
+    dtype: torch.dtype
+    kind = "bf16"
+    backend = "none"  # a plain cast: no codec implementation to choose
+
+    @classmethod
+    def encode(cls, x: torch.Tensor) -> "Bf16Copy":
+        return cls(x.to(torch.bfloat16).contiguous() if x.dtype != torch.bfloat16 else x, x.dtype)
+
+    def tensors(self):
+        return [self.data]
+
+    def decode(self) -> torch.Tensor:
+        return self.data.to(self.dtype)
+
+
+@dataclass(eq=False)
+class FullCopy(Packed):
+    """The activation itself, uncompressed (full precision): a reference, not a copy."""
+
+    data: torch.Tensor
+    kind = "full"
+    backend = "none"
+
+    def tensors(self):
+        return [self.data]
+
+    def decode(self) -> torch.Tensor:
+        return self.data

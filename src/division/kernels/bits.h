@@ -1,0 +1,137 @@
+/* Bit-level helpers shared by the CPU kernels: bf16 conversion and directed rounding, the counter-based
+ * hash of stochastic rounding, packing codes into bytes and back, and spreading mask bits into bytes. */
+#ifndef DIVISION_BITS_H
+#define DIVISION_BITS_H
+#include <stdint.h>
+#include <string.h>
+#ifdef __BMI2__
+#include <immintrin.h>
+#endif
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t rounding = 0x7FFFu + ((u >> 16) & 1u);  /* round to nearest even */
+    return (uint16_t)((u + rounding) >> 16);
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = ((uint32_t)h) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Directed rounding to bf16 (returned as float): the stored minimum rounds down and the stored scale up,
+ * so that the 16-bit range still covers the map's values (stochastic rounding stays unbiased). */
+static inline float bf16_down(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t t = u & 0xFFFF0000u;
+    if (t != u && (u >> 31)) t += 0x10000u;  /* negative: one more unit of magnitude */
+    memcpy(&f, &t, 4);
+    return f;
+}
+
+static inline float bf16_up(float f) {  /* f >= 0 */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t t = u & 0xFFFF0000u;
+    if (t != u) t += 0x10000u;
+    memcpy(&f, &t, 4);
+    return f;
+}
+
+static inline uint64_t splitmix64(uint64_t z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* A counter-based 32-bit hash (lowbias32): one uniform per element, computed in SIMD lanes. */
+static inline uint32_t hash32(uint32_t z) {
+    z ^= z >> 16;
+    z *= 0x7FEB352Du;
+    z ^= z >> 15;
+    z *= 0x846CA68Bu;
+    return z ^ (z >> 16);
+}
+
+/* codes (one byte each, values < 2^bits) -> packed bytes, little end first; n is a multiple of 8/bits.
+ * The codes of one output byte are read as one little-endian word and folded with shifts, so each loop is
+ * plain lane-wise integer arithmetic that the compiler vectorises. */
+static inline void pack_aligned(const uint8_t *restrict c, int64_t n, int bits, uint8_t *restrict out) {
+    switch (bits) {
+    case 1:
+        for (int64_t k = 0; k < n / 8; k++) {
+            uint64_t v;
+            memcpy(&v, c + 8 * k, 8);
+            out[k] = (uint8_t)((v * 0x0102040810204080ull) >> 56);  /* byte t's low bit lands on bit 56 + t, no carries */
+        }
+        break;
+    case 2:
+        for (int64_t k = 0; k < n / 4; k++) {
+            uint32_t v;
+            memcpy(&v, c + 4 * k, 4);
+            out[k] = (uint8_t)((v & 0x3u) | ((v >> 6) & 0xCu) | ((v >> 12) & 0x30u) | ((v >> 18) & 0xC0u));
+        }
+        break;
+    case 4:
+        for (int64_t k = 0; k < n / 2; k++) {
+            uint16_t v;
+            memcpy(&v, c + 2 * k, 2);
+            out[k] = (uint8_t)((v & 0xFu) | ((v >> 4) & 0xF0u));
+        }
+        break;
+    default:
+        memcpy(out, c, (size_t)n);
+    }
+}
+
+static inline void unpack_aligned(const uint8_t *restrict in, int64_t n, int bits, uint8_t *restrict c) {
+    switch (bits) {
+    case 1:
+        for (int64_t k = 0; k < n / 8; k++) {
+            const uint8_t b = in[k];
+            for (int t = 0; t < 8; t++) c[8 * k + t] = (uint8_t)((b >> t) & 1u);
+        }
+        break;
+    case 2:
+        for (int64_t k = 0; k < n / 4; k++) {
+            const uint32_t b = in[k];
+            const uint32_t v = (b | (b << 6) | (b << 12) | (b << 18)) & 0x03030303u;
+            memcpy(c + 4 * k, &v, 4);
+        }
+        break;
+    case 4:
+        for (int64_t k = 0; k < n / 2; k++) {
+            const uint16_t b = in[k];
+            const uint16_t v = (uint16_t)((b | (b << 4)) & 0x0F0Fu);
+            memcpy(c + 2 * k, &v, 2);
+        }
+        break;
+    default:
+        memcpy(c, in, (size_t)n);
+    }
+}
+
+/* The bits of one map (elements base .. base + n - 1 of a packed bit mask) as bytes. */
+static inline void split_bits(const uint8_t *restrict split, int64_t base, int64_t n, uint8_t *restrict sbuf) {
+    int64_t e = 0;
+    if ((base & 7) == 0) {  /* whole bytes: bit t of byte k -> sbuf[8k + t], one word per byte */
+        const uint8_t *restrict s = split + (base >> 3);
+        for (; e + 8 <= n; e += 8) {
+#ifdef __BMI2__
+            const uint64_t v = _pdep_u64(s[e >> 3], 0x0101010101010101ull);
+#else
+            uint64_t v = 0;
+            for (int t = 0; t < 8; t++) v |= (uint64_t)((s[e >> 3] >> t) & 1u) << (8 * t);
+#endif
+            memcpy(sbuf + e, &v, 8);
+        }
+    }
+    for (; e < n; e++) sbuf[e] = (split[(base + e) >> 3] >> ((base + e) & 7)) & 1u;
+}
+
+#endif
