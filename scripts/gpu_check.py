@@ -2,7 +2,7 @@
 labelled with the device name:
 
   1. the CUDA and Triton tests (pytest -m cuda, tests/test_triton.py on the real kernels);
-  2. the paper's setting: resnet50 at batch 64 and 256, fp16 autocast, fp / checkpoint / actnn / division:
+  2. the paper's setting: resnet50 at batch 64 and 256, fp16 autocast, fp / checkpoint / sac / actnn / division / division_plus:
      activation memory, peak memory, throughput (results/bench/gpu_<device>/);
   3. the largest batch for fp and division under a memory cap (results/max_batch/gpu_<device>/);
   4. a short ResNet-18 run, fp vs division (CIFAR-10 when $DATA_DIR has it, else synthetic data; results/runs/).
@@ -39,7 +39,7 @@ def steps(tag: str, data_dir):
     return [
         ("tests", [py, "-m", "pytest", "-q", "-m", "cuda or not slow", "tests/test_cuda.py", "tests/test_triton.py"], 180),
         ("paper setting", [py, "scripts/bench.py", "--models", "resnet50", "--batches", "64,256", "--methods",
-                           "fp,checkpoint,actnn,division", "--amp", "fp16", "--steps", "10", "--warmup", "3",
+                           "fp,checkpoint,sac,actnn,division,division_plus", "--amp", "fp16", "--steps", "10", "--warmup", "3",
                            "--device", "cuda", "--suite", f"gpu_{tag}", "--out", bench_out], 240),
         ("max batch", [py, "scripts/max_batch.py", "--model", "resnet50", "--methods", "fp,division", "--budget",
                        "8GiB", "--device", "cuda", "--start", "32", "--out", f"results/max_batch/gpu_{tag}"], 180),
