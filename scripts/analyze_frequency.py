@@ -318,13 +318,8 @@ def _aggregate(per_batch):
 
 def analyse_checkpoint(args, out: Path, tag: str):
     """The figures of one trained network over ``--batches`` class-balanced test batches, with intervals."""
-    from division.analysis import balanced_batches
-    from hydra import compose, initialize_config_dir
-    overrides = ["data=cifar10"] + ([f"data.root={args.data_root}"] if args.data_root else [])
-    if args.synthetic:
-        overrides = ["data=synthetic", f"data.test_size={4 * args.batches * args.batch}", "data.image_size=32"]
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "configs")):
-        data_cfg = compose(config_name="train", overrides=overrides).data
+    from division.analysis import balanced_batches, cifar10_data_config
+    data_cfg = cifar10_data_config(args.data_root, 4 * args.batches * args.batch if args.synthetic else 0)
     batches = balanced_batches(data_cfg, args.batches, max(1, args.batch // int(data_cfg.num_classes)))
     model = create_model(args.model, num_classes=int(data_cfg.num_classes))
     ckpt = torch.load(args.checkpoint, map_location="cpu", weights_only=False)

@@ -19,18 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from division import results  # noqa: E402
-from division.analysis import balanced_batches, gradient_error, mean_interval, weight_grads  # noqa: E402
+from division.analysis import (balanced_batches, cifar10_data_config, gradient_error, mean_interval,  # noqa: E402
+                               weight_grads)
 from division.methods import build, load_config  # noqa: E402
 from division.models import create_model  # noqa: E402
-
-
-def data_config(args):
-    from hydra import compose, initialize_config_dir
-    overrides = ["data=cifar10"] + ([f"data.root={args.data_root}"] if args.data_root else [])
-    if args.synthetic:
-        overrides = ["data=synthetic", "data.test_size=200", "data.image_size=32"]
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "configs")):
-        return compose(config_name="train", overrides=overrides).data
 
 
 def main(argv=None):
@@ -52,7 +44,8 @@ def main(argv=None):
     model = create_model(args.model, num_classes=10)
     if args.checkpoint:
         model.load_state_dict(torch.load(args.checkpoint, map_location="cpu", weights_only=False)["model"])
-    batches = balanced_batches(data_config(args), args.batches, args.per_class)
+    batches = balanced_batches(cifar10_data_config(args.data_root, 200 if args.synthetic else 0), args.batches,
+                               args.per_class)
     per_batch = {m: [] for m in args.methods}
     for i, (x, y) in enumerate(batches):
         reference = weight_grads(model.train(), x, y)

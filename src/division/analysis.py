@@ -115,6 +115,18 @@ def mean_interval(values):
     return mean, (mean - half, mean + half)
 
 
+def cifar10_data_config(data_root=None, synthetic_test_size: int = 0):
+    """The data config of the analysis scripts, composed as the runner composes it: the real CIFAR-10 (from
+    ``data_root`` or $DATA_DIR), or synthetic 32x32 data with ``synthetic_test_size`` test images."""
+    from hydra import compose, initialize_config_dir
+    from division.results import ROOT
+    overrides = ["data=cifar10"] + ([f"data.root={data_root}"] if data_root else [])
+    if synthetic_test_size:
+        overrides = ["data=synthetic", f"data.test_size={synthetic_test_size}", "data.image_size=32"]
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "configs")):
+        return compose(config_name="train", overrides=overrides).data
+
+
 def balanced_batches(data_cfg, batches: int, per_class: int, seed: int = 0):
     """``batches`` disjoint test batches, each holding ``per_class`` images of every class, drawn at random
     (seeded) from the test split that ``data_cfg`` describes."""

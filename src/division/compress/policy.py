@@ -114,10 +114,9 @@ class SavePolicy:
         self._link(y, levels, y._version)
 
     def exact_levels(self, x: torch.Tensor):
-        entry = self._links.get(self._key(x)[:4])
-        if entry is None or entry[0]() is not x or entry[1] != x._version or isinstance(entry[2], (BnOutput, BnReluInput)):
-            return None
-        return entry[2]
+        """What :meth:`note_exact` noted for ``x`` (unchanged since), else None."""
+        value = self._linked(x, object)
+        return None if isinstance(value, (BnOutput, BnReluInput)) else value
 
     def bn_output(self, x: torch.Tensor) -> Optional[BnOutput]:
         return self._linked(x, BnOutput) if self.fuse_bn_relu else None

@@ -18,6 +18,7 @@ from division.codecs import FullCopy
 from division.codecs.groupwise import ReshapedQuantized, parallel_rows
 from division.codecs.quant import BitMask, check_bits, quantize_per_row
 from division.compress.linear import _Conv2dFn, _LinearFn
+from division.compress.pointwise import _ReLUFn
 from division.methods.compressed import PolicyMethod
 
 
@@ -40,8 +41,9 @@ def quantize_weight(w: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.round(w.clamp(-1, 1) * levels) / levels
 
 
-class _QuantReLUFn(torch.autograd.Function):
-    """ReLU clamped to [0, 1] and rounded to k bits; backward passes the gradient where 0 < x < 1 (1-bit mask)."""
+class _QuantReLUFn(_ReLUFn):
+    """ReLU clamped to [0, 1] and rounded to k bits; backward (the ReLU's) passes the gradient where
+    0 < x < 1 (1-bit mask)."""
 
     @staticmethod
     def forward(ctx, x, bits, policy, layer):
@@ -50,12 +52,6 @@ class _QuantReLUFn(torch.autograd.Function):
         policy.save_mask(y, ctx.mask, "relu", layer, x.numel() * x.element_size(), policy.ids(y))
         policy.note_exact(y, ExactLevels(bits))
         return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = ctx.mask.apply(grad)
-        ctx.mask = None
-        return grad, None, None, None
 
 
 class _QuantWeightFn(torch.autograd.Function):

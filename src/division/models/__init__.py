@@ -50,7 +50,7 @@ def create_model(name: str, num_classes: int = 10, pretrained: bool = False, ste
         raise ValueError(f"model {name!r} has no width_mult; models that have one: "
                          f"{[n for n, f in _REGISTRY.items() if 'width_mult' in inspect.signature(f).parameters]}")
     else:
-        _widths((1,), kwargs["width_mult"])  # validates
+        check_width_mult(kwargs["width_mult"])
     chosen = resolve_stem(stem, image_size)  # validated for every model; used by those with an ImageNet stem
     if getattr(factory, "takes_input", False):
         kwargs.update(stem=chosen, image_size=image_size)
@@ -101,11 +101,15 @@ def resnet18(num_classes=10, pretrained=False, width_mult=1.0):
     return cifar.CifarResNet((2, 2, 2, 2), _widths((64, 128, 256, 512), width_mult), num_classes)
 
 
-def _widths(base, mult):
-    """Channel widths scaled by ``mult`` (WRPN widens its networks; 1 = as published)."""
+def check_width_mult(mult) -> float:
     if isinstance(mult, bool) or not isinstance(mult, (int, float)) or mult <= 0:
         raise ValueError(f"width_mult={mult!r} is invalid; it must be a number > 0 (1 = as published)")
-    return tuple(max(1, int(round(w * mult))) for w in base)
+    return mult
+
+
+def _widths(base, mult):
+    """Channel widths scaled by ``mult`` (WRPN widens its networks; 1 = as published)."""
+    return tuple(max(1, int(round(w * check_width_mult(mult)))) for w in base)
 
 
 def _he_resnet(depth):
@@ -136,8 +140,7 @@ def densenet121(num_classes=10, pretrained=False):
 @register("wrn28_10")
 def wrn28_10(num_classes=10, pretrained=False, dropout=0.0, width_mult=1.0):
     _no_pretrained("wrn28_10", pretrained)
-    _widths((10,), width_mult)  # validates
-    return cifar.WideResNet(28, 10 * width_mult, dropout, num_classes)
+    return cifar.WideResNet(28, 10 * check_width_mult(width_mult), dropout, num_classes)
 
 
 def _torchvision(arch):
