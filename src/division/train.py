@@ -91,10 +91,7 @@ def run(cfg: DictConfig) -> dict:
     seed_everything(int(cfg.seed))
     train_loader, test_loader, data_info = data_lib.build(cfg.data, int(cfg.seed), info.rank, info.world_size)
     stem = str(cfg.model.get("stem", "auto"))
-    model = models.create_model(cfg.model.name, num_classes=int(cfg.model.num_classes),
-                                pretrained=bool(cfg.model.get("pretrained", False)), stem=stem,
-                                image_size=data_info.image_size, width_mult=cfg.model.get("width_mult", 1))
-    zeroed = models.zero_init_residual_(model) if cfg.model.get("zero_init_residual", False) else 0
+    model, zeroed = models.from_config(cfg.model, data_info.image_size)
     if cfg.trainer.get("sync_bn") and info.enabled:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device)

@@ -79,6 +79,16 @@ def zero_init_residual_(model: nn.Module) -> int:
     return changed
 
 
+def from_config(cfg, image_size=None):
+    """The model a ``model`` config group describes, built as the runner builds it (stem chosen for
+    ``image_size``, optional zero-initialised residual branches). Returns ``(model, zeroed_blocks)``."""
+    model = create_model(cfg.name, num_classes=int(cfg.num_classes), pretrained=bool(cfg.get("pretrained", False)),
+                         stem=str(cfg.get("stem", "auto")), image_size=image_size,
+                         width_mult=cfg.get("width_mult", 1))
+    zeroed = zero_init_residual_(model) if cfg.get("zero_init_residual", False) else 0
+    return model, zeroed
+
+
 def cifar_stem_(model: nn.Module) -> nn.Module:
     """Replace a torchvision ResNet's or DenseNet's 7x7 stride-2 stem and max-pool by a 3x3 stride-1
     convolution and nothing (as the paper's CIFAR ResNet-18 and common CIFAR practice do)."""
@@ -189,5 +199,5 @@ def vit_cifar(num_classes=10, pretrained=False):
 
 _CIFAR_NATIVE = ("resnet18", "resnet20", "resnet32", "resnet56", "resnet164", "densenet121", "wrn28_10", "vit_cifar")
 
-__all__ = ["create_model", "list_models", "register", "resolve_stem", "stem_of", "cifar_stem_", "zero_init_residual_",
+__all__ = ["create_model", "from_config", "list_models", "register", "resolve_stem", "stem_of", "cifar_stem_", "zero_init_residual_",
            "STEMS"]
