@@ -24,7 +24,7 @@ def _make_tree(root, per_class=4, size=8, fmt="png"):
 
 
 def _cfg(root, tmp_path, **extra):
-    overrides = [f"data.root={root}", "data.num_classes=3", "data.batch_size=4", "data.download=false",
+    overrides = [f"data.root={root}", "data.num_classes=3", "data.batch_size=4", "data.download=false", "data.image_size=8",
                  f"paths.root_dir={tmp_path}"] + [f"data.{k}={v}" for k, v in extra.items()]
     return compose(overrides).data
 
@@ -36,6 +36,19 @@ def test_class_folder_tree(tmp_path):
     x, y = next(iter(train))
     assert x.shape == (4, 3, 8, 8) and x.dtype == torch.float32 and set(y.tolist()) <= {0, 1, 2}
     assert sum(len(yb) for _, yb in test) == 12
+
+
+def test_other_image_size_resizes_each_batch(tmp_path):
+    """data.image_size different from the stored images: batches are resized on the fly (the ImageNet ViT on
+    CIFAR-10 at 224), and the info reports the size the model sees."""
+    _make_tree(tmp_path / "cifar10")
+    train, test, info = data_lib.build(_cfg(tmp_path, tmp_path, image_size=24))
+    assert info.image_size == 24
+    for loader in (train, test):
+        x, _ = next(iter(loader))
+        assert x.shape[-2:] == (24, 24) and torch.isfinite(x).all()
+    with pytest.raises(ValueError, match="data.image_size=0"):
+        data_lib.build(_cfg(tmp_path, tmp_path, image_size=0))
 
 
 def test_tar_gz_and_cache(tmp_path):
@@ -62,7 +75,7 @@ def test_cifar_pickles(tmp_path):
             pickle.dump(entry, fh)
     with open(folder / "batches.meta", "wb") as fh:
         pickle.dump({"label_names": CLASSES}, fh)
-    train, test, info = data_lib.build(_cfg(tmp_path, tmp_path))
+    train, test, info = data_lib.build(_cfg(tmp_path, tmp_path, image_size=32))
     assert info.train_size == 30 and info.test_size == 6 and info.image_size == 32
 
 

@@ -230,3 +230,16 @@ def test_zero_init_residual_makes_blocks_start_as_identity(tmp_path):
     assert result["zero_init_residual_blocks"] == 9
     from conftest import compose
     assert compose(["experiment=cifar10_resnet20_full"]).model.zero_init_residual is False
+
+
+def test_imagenet_vit_on_cifar_takes_the_fix_its_error_names(tmp_path):
+    """The ViT-S/16 refuses 32x32 CIFAR images naming data.image_size; with it, the CIFAR loader resizes each
+    batch and one training step runs (112 here: the smallest grid the model accepts, to stay fast)."""
+    from test_data import _make_tree
+    _make_tree(tmp_path / "data" / "cifar10", per_class=2, size=32)
+    common = [f"data.root={tmp_path / 'data'}", "data.num_classes=3", "data.download=false", "data.batch_size=2",
+              "model=vit_small_patch16_224", "trainer.max_steps=1", "trainer.checkpoint=false"]
+    with pytest.raises(ValueError, match="data.image_size=224"):
+        run_train(common, tmp_path / "small")
+    result = run_train([*common, "data.image_size=112"], tmp_path / "resized")
+    assert result["status"] == "ok" and result["input_size"] == 112 and result["config"]["optim"]["name"] == "adamw"

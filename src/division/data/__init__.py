@@ -57,9 +57,13 @@ def build(cfg, seed: int = 0, rank: int = 0, world_size: int = 1):
     if test_subset:
         keep = stratified_subset(yte, test_subset, seed)
         xte, yte = xte[keep], yte[keep]
-    train = TensorLoader(xtr, ytr, batch, cfg.mean, cfg.std, True, int(cfg.crop_padding), True, seed, rank, world_size)
-    test = TensorLoader(xte, yte, eval_batch, cfg.mean, cfg.std, False, rank=rank, world_size=world_size)
-    info = DataInfo(cfg.name, int(cfg.num_classes), int(xtr.shape[1]), len(ytr), len(yte), str(cfg.root or root))
+    size = int(xtr.shape[1] if cfg.get("image_size") is None else cfg.image_size)
+    if size < 1:
+        raise ValueError(f"data.image_size={size} is invalid; it must be >= 1 (the images are {xtr.shape[1]}x{xtr.shape[1]})")
+    train = TensorLoader(xtr, ytr, batch, cfg.mean, cfg.std, True, int(cfg.crop_padding), True, seed, rank, world_size,
+                         size=size)
+    test = TensorLoader(xte, yte, eval_batch, cfg.mean, cfg.std, False, rank=rank, world_size=world_size, size=size)
+    info = DataInfo(cfg.name, int(cfg.num_classes), size, len(ytr), len(yte), str(cfg.root or root))
     return train, test, info
 
 

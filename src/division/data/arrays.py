@@ -156,7 +156,7 @@ class TensorLoader:
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, batch_size: int, mean, std, train: bool,
                  pad: int = 4, flip: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 drop_last: Optional[bool] = None):
+                 drop_last: Optional[bool] = None, size: Optional[int] = None):
         self.images = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).contiguous()
         self.labels = torch.from_numpy(labels)
         self.batch_size, self.train, self.pad, self.flip = batch_size, train, pad if train else 0, flip and train
@@ -165,6 +165,8 @@ class TensorLoader:
         self.seed, self.rank, self.world_size, self.epoch = seed, rank, world_size, 0
         self.drop_last = train if drop_last is None else drop_last
         self.num_samples = -(-len(self.labels) // world_size)
+        native = self.images.shape[-1]
+        self.size = None if size in (None, native) else int(size)  # resized per batch (bilinear), not stored
 
     def set_epoch(self, epoch: int):
         self.epoch = epoch
@@ -205,4 +207,7 @@ class TensorLoader:
             if self.flip:
                 flip = torch.rand(x.shape[0], generator=g) < 0.5
                 x = torch.where(flip.view(-1, 1, 1, 1), x.flip(3), x)
+            if self.size is not None:
+                x = torch.nn.functional.interpolate(x, size=(self.size, self.size), mode="bilinear",
+                                                    align_corners=False, antialias=self.size < x.shape[-1])
             yield (x - self.mean) / self.std, self.labels[idx]
