@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_train
+from division.loggers import read_offline_run
 
 SYN = ["data=synthetic", "model=resnet20", "data.batch_size=8", "data.train_size=32", "data.test_size=16"]
 
@@ -44,48 +45,6 @@ def test_skip_done(tmp_path, capsys):
     assert "skip:" in capsys.readouterr().out
 
 
-def _leveldb_log_records(path: Path):
-    """The records of a W&B transaction log (.wandb): a 7-byte header, then LevelDB log format: 32 KiB
-    blocks of records (crc32c 4 bytes, length 2, type 1: full/first/middle/last; a block tail shorter
-    than a record header is padding)."""
-    raw, block = path.read_bytes(), 32768
-    assert raw[:4] == b":W&B", "not a W&B transaction log"
-    records, pending, i = [], b"", 7
-    while i + 7 <= len(raw):
-        left = block - i % block
-        if left < 7:
-            i += left
-            continue
-        length, kind = int.from_bytes(raw[i + 4:i + 6], "little"), raw[i + 6]
-        chunk = raw[i + 7:i + 7 + length]
-        i += 7 + length
-        if kind == 1:
-            records.append(chunk)
-        elif kind == 2:
-            pending = chunk
-        elif kind == 3:
-            pending += chunk
-        elif kind == 4:
-            records.append(pending + chunk)
-            pending = b""
-    return records
-
-
-def _wandb_records(run_dir: Path):
-    """History rows and config of an offline W&B run, read from its .wandb file."""
-    from wandb.proto import wandb_internal_pb2
-    history, config = [], {}
-    for data in _leveldb_log_records(next(run_dir.glob("*.wandb"))):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(data)
-        if record.HasField("history"):
-            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                            for item in record.history.item})
-        elif record.HasField("run"):
-            config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
-    return history, config
-
-
 def test_wandb_offline_run_holds_steps_epochs_and_memory_table(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -95,7 +54,7 @@ def test_wandb_offline_run_holds_steps_epochs_and_memory_table(tmp_path, monkeyp
     assert runs, "no offline W&B run directory"
     import time
     for _ in range(40):  # W&B's service may still be flushing the offline log when the run returns
-        history, config = _wandb_records(runs[0])
+        history, config, run = read_offline_run(runs[0])
         steps = [h for h in history if "step/train_loss" in h]
         if len(steps) >= 2 and any("memory_layers/_type" in h for h in history):
             break
@@ -105,6 +64,15 @@ def test_wandb_offline_run_holds_steps_epochs_and_memory_table(tmp_path, monkeyp
     assert any("train_loss" in h and "top1" in h for h in history)  # the per-epoch metrics
     assert any(h.get("memory_layers/_type") == "table-file" for h in history)  # the memory report as a wandb.Table
     assert config["method"]["name"] == "division" and config["model"]["name"] == "resnet20"
+    assert run["group"] == "default" and run["id"] == run["name"] == result["run_id"]
+    import subprocess
+    import sys
+    from conftest import ROOT
+    out = subprocess.run([sys.executable, "scripts/wandb_summary.py", str(runs[0])], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    summary = json.loads(out)
+    assert summary["per_step_points"] == 2 and summary["tables"] == ["memory_layers"]
+    assert summary["config"]["method"] == "division" and len(summary["per_epoch_rows"]) == 1
 
 
 def test_bad_trainer_values(tmp_path):

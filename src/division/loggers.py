@@ -1,5 +1,7 @@
 """Loggers receive the same metric dicts that go to result.json. W&B failures never stop training."""
+import json
 import warnings
+from pathlib import Path
 
 
 class NullLogger:
@@ -54,6 +56,51 @@ class WandbLogger(NullLogger):
     def finish(self):
         self._safe(lambda: self.run.finish())
         self.run = None
+
+
+def _leveldb_log_records(path: Path):
+    """The records of a W&B transaction log (.wandb): a 7-byte header, then LevelDB log format: 32 KiB
+    blocks of records (crc32c 4 bytes, length 2, type 1: full/first/middle/last; a block tail shorter
+    than a record header is padding)."""
+    raw, block = path.read_bytes(), 32768
+    if raw[:4] != b":W&B":
+        raise ValueError(f"{path} is not a W&B transaction log")
+    records, pending, i = [], b"", 7
+    while i + 7 <= len(raw):
+        left = block - i % block
+        if left < 7:
+            i += left
+            continue
+        length, kind = int.from_bytes(raw[i + 4:i + 6], "little"), raw[i + 6]
+        chunk = raw[i + 7:i + 7 + length]
+        i += 7 + length
+        if kind == 1:
+            records.append(chunk)
+        elif kind == 2:
+            pending = chunk
+        elif kind == 3:
+            pending += chunk
+        elif kind == 4:
+            records.append(pending + chunk)
+            pending = b""
+    return records
+
+
+def read_offline_run(run_dir):
+    """``(history rows, config, run)`` of an offline W&B run, read from its .wandb file (no network, no sync);
+    ``run`` holds its id, name and group."""
+    from wandb.proto import wandb_internal_pb2
+    history, config, run = [], {}, {}
+    for data in _leveldb_log_records(next(Path(run_dir).glob("*.wandb"))):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(data)
+        if record.HasField("history"):
+            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                            for item in record.history.item})
+        elif record.HasField("run"):
+            config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
+            run.update(id=record.run.run_id, name=record.run.display_name, group=record.run.run_group)
+    return history, config, run
 
 
 def build(cfg, run_config: dict, run_name: str, is_main: bool):
