@@ -26,7 +26,7 @@ class WandbLogger(NullLogger):
             self.run = wandb.init(project=cfg.project, entity=cfg.get("entity"), mode=cfg.mode, dir=cfg.dir,
                                   name=run_name, id=run_name if cfg.get("id_from_run", True) else None,
                                   group=cfg.get("group"), config=run_config, tags=list(cfg.get("tags") or []),
-                                  reinit=True, resume="allow")
+                                  reinit="finish_previous", resume="allow")
         except Exception as err:  # W&B problems of any kind become a warning
             warnings.warn(f"W&B disabled: {type(err).__name__}: {err}")
 
