@@ -82,6 +82,9 @@ def _fixture(root: Path):
             rec.update(act_mem_bytes=held, act_mem_fp_bytes=100e6, act_compression=100e6 / held,
                        peak_mem_bytes=2e9, peak_mem_growth_bytes=1e9, throughput_img_s=speed)
         (bench / f"resnet50_b{batch}_{method}.json").write_text(json.dumps(rec))
+        small = root / "bench" / "cpu_small"  # the same network with the CIFAR stem at 32x32
+        small.mkdir(exist_ok=True)
+        (small / f"resnet50_b{batch}_{method}.json").write_text(json.dumps(dict(rec, suite="cpu_small", image_size=32)))
     for rnd, fp_speed, div_speed in [("r1", 4.0, 3.0), ("r2", 5.0, 4.5), ("r3", 6.0, 3.0)]:
         folder = root / "bench" / "cpu_repeat" / rnd
         folder.mkdir(parents=True)
@@ -110,6 +113,8 @@ def test_tables_from_fixtures(tmp_path):
     tables = tmp_path / "tables"
     mem = (tables / "memory_cpu.md").read_text()
     assert "oom" in mem and "missing" in mem and "11.11x" in mem
+    assert "0.49 (64) | 10.5x" in mem  # the paper's ImageNet figures beside the 224x224 rows only
+    assert "0.49 (64)" not in (tables / "memory_cpu_small.md").read_text()
     # rounds: median speed 3.00, range 3.00-4.50, median of per-round ratios (0.75, 0.90, 0.50) = 0.75
     assert "| cpu_repeat | resnet50 | 8 | division | none | 3.00 | 3.00-4.50 (3) | 0.75 |" in \
         (tables / "throughput.md").read_text()

@@ -14,7 +14,7 @@ import torch
 
 from division import engine, methods, results
 from division.memory import PeakMeter, release_freed_memory, reuse_freed_memory
-from division.models import create_model
+from division.models import create_model, stem_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,7 +94,7 @@ def run_one_subprocess(args, model, batch, method, path: Path) -> dict:
 
 def _identity(args, model, batch, method):
     return {"model": model, "batch_size": batch, "method": method, "image_size": args.image_size,
-            "amp": args.amp, "steps": args.steps, "warmup": args.warmup, "suite": args.suite}
+            "stem": stem_of(model, "auto", args.image_size), "amp": args.amp, "steps": args.steps, "warmup": args.warmup, "suite": args.suite}
 
 
 def parse(argv=None):
