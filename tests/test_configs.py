@@ -72,3 +72,15 @@ def test_cli_help_lists_groups():
     assert proc.returncode == 0
     for group in ("data:", "model:", "method:", "resnet50", "division"):
         assert group in proc.stdout
+
+
+def test_models_choose_their_default_optimizer_and_sgd_lr():
+    """A model config may name its optimizer (the ViTs: adamw) and SGD's lr (the ImageNet CNNs: 0.02, measured
+    to train from scratch at CIFAR scale); an explicit optim choice or lr, and every experiment, still win."""
+    assert compose(["model=resnet20"]).optim.lr == 0.1
+    assert compose(["model=resnet50"]).optim.lr == 0.02
+    assert compose(["model=resnet50", "optim.lr=0.1"]).optim.lr == 0.1
+    assert compose(["model=wide_resnet50_2", "optim=adamw"]).optim.lr == 1e-3
+    assert compose(["model=vit_cifar"]).optim.name == "adamw"
+    assert compose(["model=vit_cifar", "optim=sgd"]).optim.name == "sgd"
+    assert compose(["experiment=paper_imagenet_resnet50"]).optim.lr == 0.1
