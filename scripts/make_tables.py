@@ -93,12 +93,12 @@ def memory_table(bench, paper, out: Path):
                   "process peak MiB", "paper act. GB (batch)", "paper ratio"]
         rows = []
         for model in sorted({r["model"] for r in recs}):
+            paper_setting = _paper_setting(recs, model)
             for batch in sorted({r["batch_size"] for r in recs if r["model"] == model}):
                 for method in _methods([r for r in recs if r["model"] == model]):
                     rec = next((r for r in recs if r["model"] == model and r["batch_size"] == batch
                                 and r["method"] == method), None)
-                    p_act, p_ratio = (_paper_memory(paper, model, method) if _paper_setting(recs, model)
-                                      else ("", ""))
+                    p_act, p_ratio = _paper_memory(paper, model, method) if paper_setting else ("", "")
                     if rec is None:
                         rows.append([model, batch, method, "missing", "", "", "", "", p_act, p_ratio])
                     elif rec["status"] != "ok":
@@ -139,6 +139,7 @@ def ablation_table(bench, out: Path):
                 and r.get("amp", "none") == "none"]
         rows = []
         for model in sorted({r["model"] for r in recs}):
+            paper_setting = _paper_setting(recs, model)
             for batch in sorted({r["batch_size"] for r in recs if r["model"] == model}):
                 here = {r["method"]: r for r in recs if r["model"] == model and r["batch_size"] == batch}
                 full = here.get("division_plus")

@@ -1,7 +1,7 @@
 """Every registered model, built as the runner builds it from its default config (default dataset size, so
 ImageNet CNNs get the CIFAR stem on 32x32; the ViT-S/16 keeps its 224 input) and trained with the default
-method and optimizer (at the learning rate of the default batch), lowers the loss on a fixed small batch within a few steps. Large models are marked slow
-(``make test-slow``)."""
+method and optimizer (at the learning rate of the default batch), lowers the loss on a fixed small batch
+within a few steps. Large models are marked slow (``make test-slow``)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,8 +31,7 @@ def test_default_recipe_lowers_the_loss(name):
     model, _ = models.from_config(cfg.model, size)
     x = torch.randn(BATCH, 3, size, size)
     y = torch.arange(BATCH) % int(cfg.model.num_classes)
-    options = {k: v for k, v in cfg.method.items() if k != "name"}
-    method = api.prepare(model, str(cfg.method.name), measure=False, **options).method
+    method = api.prepare_config(model, cfg.method).method
     # the learning rate of the default batch size: the step size the default recipe takes after its warm-up
     optimizer, _ = engine.build_optimizer(model, cfg.optim, int(cfg.data.batch_size))
     state = engine.StepState(torch.device("cpu"), progress=False)

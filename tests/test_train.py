@@ -1,9 +1,12 @@
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import run_train
+from conftest import ROOT, run_train
 from division.loggers import read_offline_run
 
 SYN = ["data=synthetic", "model=resnet20", "data.batch_size=8", "data.train_size=32", "data.test_size=16"]
@@ -52,7 +55,6 @@ def test_wandb_offline_run_holds_steps_epochs_and_memory_table(tmp_path, monkeyp
     assert result["status"] == "ok"
     runs = list(Path(tmp_path, "outputs", "wandb").glob("offline-run-*"))
     assert runs, "no offline W&B run directory"
-    import time
     for _ in range(40):  # W&B's service may still be flushing the offline log when the run returns
         history, config, run = read_offline_run(runs[0])
         steps = [h for h in history if "step/train_loss" in h]
@@ -65,9 +67,6 @@ def test_wandb_offline_run_holds_steps_epochs_and_memory_table(tmp_path, monkeyp
     assert any(h.get("memory_layers/_type") == "table-file" for h in history)  # the memory report as a wandb.Table
     assert config["method"]["name"] == "division" and config["model"]["name"] == "resnet20"
     assert run["group"] == "default" and run["id"] == run["name"] == result["run_id"]
-    import subprocess
-    import sys
-    from conftest import ROOT
     out = subprocess.run([sys.executable, "scripts/wandb_summary.py", str(runs[0])], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout
     summary = json.loads(out)

@@ -116,7 +116,15 @@ def prepare(model: nn.Module, method: str = "division", measure: bool = True, **
     return handle
 
 
-__all__ = ["prepare", "Handle"]
+def prepare_config(model: nn.Module, cfg, measure: bool = False) -> Handle:
+    """:func:`prepare` from a composed ``method`` config group (its ``name`` and options), as the runner does."""
+    from omegaconf import OmegaConf
+    options = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
+    name = options.pop("name")
+    return prepare(model, str(name), measure=measure, **options)
+
+
+__all__ = ["prepare", "prepare_config", "Handle"]
 
 
 def compile_model(model: nn.Module, method) -> nn.Module:

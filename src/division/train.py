@@ -97,8 +97,7 @@ def run(cfg: DictConfig) -> dict:
     model = model.to(device)
     if cfg.trainer.get("channels_last"):
         model = model.to(memory_format=torch.channels_last)
-    options = {k: v for k, v in OmegaConf.to_container(cfg.method, resolve=True).items() if k != "name"}
-    method = api.prepare(model, str(cfg.method.name), measure=False, **options).method
+    method = api.prepare_config(model, cfg.method).method
     compiled = bool(cfg.trainer.get("compile", False))
     if compiled:
         api.compile_model(model, method)
