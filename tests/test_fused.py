@@ -178,3 +178,36 @@ def test_split_ranges_decode_and_cover(backend):
     mean = sum(codec.encode(x, split).decode() for _ in range(draws)) / draws
     single = (y - x).pow(2).mean().sqrt()
     assert (mean - x).pow(2).mean().sqrt() < 4 * single / draws ** 0.5
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 7, 7), (3, 5, 3, 5), (1, 4, 1, 1), (2, 17, 4, 4), (2, 3, 2, 11)])
+def test_compiled_bn_relu_rebuild_matches_pytorch(shape):
+    """The CPU kernel that rebuilds relu(bn(y)) in one pass equals the PyTorch path (maps whose bits start
+    mid-byte included), and a NaN of y under a 0 bit gives 0, as the ReLU's backward would."""
+    from division import kernels
+    from division.codecs.quant import BitMask
+    from division.compress.fused import BnOutput, BnReluInput
+    if not kernels.available():
+        pytest.skip("no C compiler")
+    torch.manual_seed(0)
+    c = shape[1]
+    y = torch.randn(shape)
+    weight, bias, mean, invstd = torch.randn(c), torch.randn(c), torch.randn(c), torch.rand(c) + 0.5
+    out = (y - mean[None, :, None, None]) * (invstd * weight)[None, :, None, None] + bias[None, :, None, None]
+    y.view(-1)[0], out.view(-1)[0] = float("nan"), -1.0
+
+    class Saved:
+        def decode(self):
+            return y
+
+        def keep_decoded(self, t):
+            pass
+
+    rebuilt = {}
+    for backend in ("compiled", "reference"):
+        mask = BitMask.positive(out, backend)
+        assert mask.backend == backend
+        rebuilt[backend] = BnReluInput(BnOutput(Saved(), weight, bias, mean, invstd, y.dtype), mask, shape).decode()
+    assert rebuilt["compiled"].view(-1)[0] == 0
+    torch.testing.assert_close(rebuilt["compiled"], rebuilt["reference"], rtol=1e-6, atol=1e-6)
+    assert torch.equal(rebuilt["compiled"] == 0, out.clamp_min(0) == 0)

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from division.codecs.base import _float_kernel
 from division.codecs.quant import BitMask
 
 
@@ -43,6 +44,13 @@ class BnReluInput:
         once, instead of decoding it again (``Saved.keep_decoded``)."""
         y = self.bn.saved.decode()
         self.bn.saved.keep_decoded(y)
+        lib = _float_kernel(y, self.mask.backend) if self.mask.backend == "compiled" else None
+        if lib is not None and y.dim() >= 2 and y.is_contiguous():
+            a = torch.empty_like(y)
+            lib.bn_relu_rebuild(y.data_ptr(), self.bn.alpha.data_ptr(), self.bn.beta.data_ptr(),
+                                self.mask.packed.data_ptr(), y.shape[0] * y.shape[1], y.shape[1],
+                                y[0, 0].numel(), a.data_ptr(), torch.get_num_threads())
+            return a.to(self.bn.dtype)
         a = torch.addcmul(self.bn.beta[None, :, None, None], y.float(), self.bn.alpha[None, :, None, None])
         return self.mask.apply(a).to(self.bn.dtype)
 

@@ -148,7 +148,25 @@ int division_encode(const float *x, int64_t maps, int64_t h, int64_t w, int64_t 
             float *restrict hfc = buf;
             float mn = INFINITY, mx = -INFINITY;
             uint32_t nonfinite = 0;
-            if (lfc) {
+            if (lfc && h <= bh && w <= bw) {
+                /* One block covers the map (7 x 7 maps at B = 8): its mean, then one flat pass. */
+                float sum = 0.0f;
+#pragma omp simd reduction(+:sum)
+                for (int64_t e = 0; e < hw; e++) sum += xm[e];
+                const uint16_t b16 = f32_to_bf16(sum / (float)hw);
+                lfc[m] = b16;
+                const float l = bf16_to_f32(b16);
+#pragma omp simd reduction(min:mn) reduction(max:mx) reduction(|:nonfinite)
+                for (int64_t e = 0; e < hw; e++) {
+                    const float v = xm[e] - l;
+                    uint32_t u;
+                    memcpy(&u, &v, 4);
+                    nonfinite |= (u & 0x7F800000u) == 0x7F800000u;
+                    hfc[e] = v;
+                    mn = v < mn ? v : mn;
+                    mx = v > mx ? v : mx;
+                }
+            } else if (lfc) {
                 /* Block means into the bf16 LFC; ``up`` gets the stored LFC upsampled, one row per block row
                  * where rows are wide, the whole map where they are short (then one flat loop). */
                 const int wide = w >= 16;
@@ -313,6 +331,10 @@ int division_decode(const uint8_t *packed, const uint16_t *lfc, const float *min
                         for (int64_t c = 0; c < w; c++) orow[c] = row[c] + (float)crow[c] * sc;
                     }
                 }
+            } else if (lfc && h <= bh && w <= bw) {  /* one block covers the map */
+                const float o = mn + bf16_to_f32(lfc[m]);
+#pragma omp simd
+                for (int64_t e = 0; e < hw; e++) om[e] = o + (float)cbuf[e] * sc;
             } else if (lfc) {  /* small maps: one flat loop over the map */
                 upsample_map(lfc + m * nblocks, h, w, bh, bw, mn, row, up);
 #pragma omp simd

@@ -5,6 +5,9 @@
 #include <string.h>
 
 #include "bits.h"
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 void pack_codes(const uint8_t *codes, int64_t numel, int bits, uint8_t *out, int threads) {
     /* Whole bytes in parallel chunks through the vectorised packer, then the last partial byte. */
@@ -21,31 +24,78 @@ void pack_codes(const uint8_t *codes, int64_t numel, int bits, uint8_t *out, int
     }
 }
 
-/* ReLU mask: bit i of byte k is y[8k + i] > 0 (NaN and -0 give 0), as pack_bits lays out 1-bit codes. */
+/* Mask bits as 16-lane words: bits base .. base + 15 of a packed bit mask of ``nbytes`` bytes (bits past the
+ * end read as 0). Whole 16-bit words when base is a multiple of 16, else three bytes shifted. */
+static inline uint32_t bits16(const uint8_t *restrict mask, int64_t nbytes, int64_t base) {
+    const int64_t k = base >> 3;
+    uint32_t w = 0;
+    for (int t = 0; t < 3 && k + t < nbytes; t++) w |= (uint32_t)mask[k + t] << (8 * t);
+    return (w >> (base & 7)) & 0xFFFFu;
+}
+
+/* ReLU mask: bit i of byte k is y[8k + i] > 0 (NaN and -0 give 0), as pack_bits lays out 1-bit codes.
+ * Sixteen elements make one little-endian 16-bit word of the mask. */
 void mask_positive(const float *y, int64_t n, uint8_t *out, int threads) {
-    const int64_t full = n / 8;
+    const int64_t words = n / 16;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t k = 0; k < full; k++) {
-        const float *v = y + 8 * k;
-        uint8_t b = 0;
-        for (int t = 0; t < 8; t++) b |= (uint8_t)((v[t] > 0.0f) << t);
-        out[k] = b;
+    for (int64_t k = 0; k < words; k++) {
+        const float *v = y + 16 * k;
+#ifdef __AVX512F__
+        const uint16_t b = (uint16_t)_mm512_cmp_ps_mask(_mm512_loadu_ps(v), _mm512_setzero_ps(), _CMP_GT_OQ);
+#else
+        uint16_t b = 0;
+        for (int t = 0; t < 16; t++) b |= (uint16_t)((v[t] > 0.0f) << t);
+#endif
+        memcpy(out + 2 * k, &b, 2);
     }
-    if (n % 8) {
+    for (int64_t i = words * 16; i < n; i += 8) {
         uint8_t b = 0;
-        for (int64_t i = full * 8; i < n; i++) b |= (uint8_t)((y[i] > 0.0f) << (i - full * 8));
-        out[full] = b;
+        for (int64_t j = i; j < i + 8 && j < n; j++) b |= (uint8_t)((y[j] > 0.0f) << (j - i));
+        out[i / 8] = b;
     }
 }
 
 /* out = g where the mask bit is set, else 0 (like ReLU's own backward, a NaN gradient under a 0 bit
  * gives 0). */
 void mask_apply(const float *g, const uint8_t *mask, int64_t n, float *out, int threads) {
-    const int64_t nbytes = (n + 7) / 8;
+    const int64_t words = n / 16;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t k = 0; k < nbytes; k++) {
-        const uint8_t b = mask[k];
-        const int64_t e0 = 8 * k, e1 = e0 + 8 < n ? e0 + 8 : n;
-        for (int64_t e = e0; e < e1; e++) out[e] = ((b >> (e - e0)) & 1u) ? g[e] : 0.0f;
+    for (int64_t k = 0; k < words; k++) {
+        uint16_t b;
+        memcpy(&b, mask + 2 * k, 2);
+#ifdef __AVX512F__
+        _mm512_storeu_ps(out + 16 * k, _mm512_maskz_loadu_ps((__mmask16)b, g + 16 * k));
+#else
+        for (int t = 0; t < 16; t++) out[16 * k + t] = ((b >> t) & 1u) ? g[16 * k + t] : 0.0f;
+#endif
+    }
+    for (int64_t e = words * 16; e < n; e++) out[e] = ((mask[e >> 3] >> (e & 7)) & 1u) ? g[e] : 0.0f;
+}
+
+/* A convolution's input rebuilt from its batch norm's input y (maps of hw elements, channel m % channels):
+ * out = mask ? y * alpha[c] + beta[c] : 0, in one pass (the ReLU's exact mask over the flattened tensor). */
+void bn_relu_rebuild(const float *y, const float *alpha, const float *beta, const uint8_t *mask, int64_t maps,
+                     int64_t channels, int64_t hw, float *out, int threads) {
+    const int64_t nbytes = (maps * hw + 7) / 8;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t m = 0; m < maps; m++) {
+        const float a = alpha[m % channels], b = beta[m % channels];
+        const float *restrict ym = y + m * hw;
+        float *restrict om = out + m * hw;
+        int64_t e = 0;
+#ifdef __AVX512F__
+        const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b);
+        for (; e < hw; e += 16) {
+            const __mmask16 live = hw - e >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (hw - e)) - 1u);
+            const __mmask16 bits = (__mmask16)bits16(mask, nbytes, m * hw + e) & live;
+            const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(live, ym + e), va), vb);
+            _mm512_mask_storeu_ps(om + e, live, _mm512_maskz_mov_ps(bits, v));
+        }
+#else
+        for (; e < hw; e++) {
+            const int64_t idx = m * hw + e;
+            om[e] = ((mask[idx >> 3] >> (idx & 7)) & 1u) ? ym[e] * a + b : 0.0f;
+        }
+#endif
     }
 }
