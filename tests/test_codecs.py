@@ -292,3 +292,20 @@ def test_bf16_statistics_unbiased_and_smaller(make, backend):
 def test_bad_stat_dtype():
     with pytest.raises(ValueError, match="stat_dtype='fp16' is invalid; valid choices"):
         DivisionCodec(stat_dtype="fp16")
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("n", [5, 16, 37, 4096 + 9])
+def test_compiled_relu_with_mask_matches_clamp(n, inplace):
+    """One pass makes ReLU's output and its mask: values as ``clamp_min(0)`` (NaN kept), mask as ``y > 0``,
+    and an in-place call counts as an in-place change (version bumped)."""
+    _compiled_or_skip()
+    torch.manual_seed(0)
+    x = torch.randn(n)
+    x[0], x[1], x[2] = float("nan"), -0.0, float("-inf")
+    expected = x.clamp_min(0)
+    version = x._version
+    y, mask = BitMask.relu(x, inplace, "compiled")
+    assert mask.backend == "compiled" and (y is x) == inplace and (x._version > version) == inplace
+    assert torch.equal(y.isnan(), expected.isnan()) and torch.equal(y.nan_to_num(), expected.nan_to_num())
+    assert torch.equal(mask.packed, BitMask.encode(expected > 0).packed)

@@ -34,6 +34,20 @@ class BitMask(Packed):
         lib.mask_positive(yc.data_ptr(), y.numel(), packed.data_ptr(), torch.get_num_threads())
         return cls(packed, y.shape, "compiled")
 
+    @classmethod
+    def relu(cls, x: torch.Tensor, inplace: bool, backend: str = "auto"):
+        """``(relu(x), its mask)``; on the CPU kernel one pass makes both (in place when asked)."""
+        lib = None if use_triton(x, backend) else _float_kernel(x, backend)
+        if lib is None or not x.is_contiguous():
+            y = x.clamp_min_(0) if inplace else x.clamp_min(0)
+            return y, cls.positive(y, backend)
+        y = x if inplace else torch.empty_like(x)
+        packed = torch.empty(packed_nbytes(x.numel(), 1), dtype=torch.uint8)
+        lib.relu_mask(x.data_ptr(), x.numel(), y.data_ptr(), packed.data_ptr(), torch.get_num_threads())
+        if inplace:  # written through a pointer: count the change as an in-place op would
+            torch.autograd.graph.increment_version(x)
+        return y, cls(packed, y.shape, "compiled")
+
     def apply(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` where the mask is set, 0 elsewhere (with the backend that made the mask)."""
         if self.backend == "triton":

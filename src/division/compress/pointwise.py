@@ -10,12 +10,9 @@ class _ReLUFn(torch.autograd.Function):
     def forward(ctx, x, inplace, policy, layer):
         fp_bytes, fp_key = x.numel() * x.element_size(), policy.ids(x)
         bn = policy.bn_output(x)
+        y, mask = BitMask.relu(x, inplace, policy.backend)
         if inplace:
-            y = x.clamp_min_(0)
             ctx.mark_dirty(x)
-        else:
-            y = x.clamp_min(0)
-        mask = BitMask.positive(y, policy.backend)
         ctx.mask = mask
         policy.note_relu(x, bn, y, mask, inplace)  # first: it encodes the batch norm's waiting input
         policy.save_mask(y, mask, "relu", layer, fp_bytes, fp_key if inplace else policy.ids(y))

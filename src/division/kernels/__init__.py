@@ -62,6 +62,8 @@ def _build() -> ctypes.CDLL:
     lib.mask_positive.restype = None
     lib.mask_apply.argtypes = [p, p, i64, p, i32]
     lib.mask_apply.restype = None
+    lib.relu_mask.argtypes = [p, i64, p, p, i32]
+    lib.relu_mask.restype = None
     lib.bn_relu_rebuild.argtypes = [p, p, p, p, i64, i64, i64, p, i32]
     lib.bn_relu_rebuild.restype = None
     return lib

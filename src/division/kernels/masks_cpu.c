@@ -55,6 +55,39 @@ void mask_positive(const float *y, int64_t n, uint8_t *out, int threads) {
     }
 }
 
+/* ReLU and its mask in one pass: y = x where x > 0 or x is NaN, else 0 (y may be x: in place), and bit i of
+ * the mask = x[i] > 0, as mask_positive lays it out. */
+void relu_mask(const float *x, int64_t n, float *y, uint8_t *out, int threads) {
+    const int64_t words = n / 16;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t k = 0; k < words; k++) {
+#ifdef __AVX512F__
+        const __m512 v = _mm512_loadu_ps(x + 16 * k);
+        const __mmask16 pos = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GT_OQ);
+        const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        _mm512_storeu_ps(y + 16 * k, _mm512_maskz_mov_ps(pos | nan, v));
+        const uint16_t b = (uint16_t)pos;
+#else
+        uint16_t b = 0;
+        for (int t = 0; t < 16; t++) {
+            const float v = x[16 * k + t];
+            b |= (uint16_t)((v > 0.0f) << t);
+            y[16 * k + t] = (v > 0.0f || v != v) ? v : 0.0f;
+        }
+#endif
+        memcpy(out + 2 * k, &b, 2);
+    }
+    for (int64_t i = words * 16; i < n; i += 8) {
+        uint8_t b = 0;
+        for (int64_t j = i; j < i + 8 && j < n; j++) {
+            const float v = x[j];
+            b |= (uint8_t)((v > 0.0f) << (j - i));
+            y[j] = (v > 0.0f || v != v) ? v : 0.0f;
+        }
+        out[i / 8] = b;
+    }
+}
+
 /* out = g where the mask bit is set, else 0 (like ReLU's own backward, a NaN gradient under a 0 bit
  * gives 0). */
 void mask_apply(const float *g, const uint8_t *mask, int64_t n, float *out, int threads) {
