@@ -98,6 +98,29 @@ def test_maxpool_and_dropout_exact():
     assert torch.allclose(x.grad, keep.float() / 0.7)
 
 
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("kernel, stride, padding, ceil_mode, size",
+                         [(3, 2, 1, False, 15), (2, 2, 0, False, 8), (3, 2, 0, True, 10), (3, 1, 1, False, 7),
+                          (2, 3, 1, True, 11)])
+def test_maxpool_matches_pytorch_on_ties_and_nan(backend, kernel, stride, padding, ceil_mode, size):
+    """The max-pool that keeps packed window positions (CPU kernel under auto, PyTorch under reference)
+    gives PyTorch's output and input gradient exactly, with ties (integer inputs), NaN and -inf present."""
+    torch.manual_seed(0)
+    x = torch.randint(-3, 4, (2, 3, size, size)).float()
+    x[0, 0, 1, 1], x[1, 2, 0, 0], x[1, 1, 2, 3] = float("nan"), float("-inf"), float("nan")
+    pool, ref = nn.MaxPool2d(kernel, stride, padding, ceil_mode=ceil_mode), nn.MaxPool2d(kernel, stride, padding,
+                                                                                         ceil_mode=ceil_mode)
+    build({"name": "division", "backend": backend}).prepare(pool)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, expected = pool(x1), ref(x2)
+    assert out.shape == expected.shape
+    assert torch.equal(out.isnan(), expected.isnan()) and torch.equal(out.nan_to_num(), expected.nan_to_num())
+    g = torch.randn(expected.shape)
+    (out * g).sum().backward()
+    (expected * g).sum().backward()
+    assert torch.equal(x1.grad, x2.grad)
+
+
 def test_shared_input_held_once():
     """A block input read by conv1 and by the downsample conv is compressed once."""
     model = torchvision.models.resnet18(num_classes=10)

@@ -11,7 +11,7 @@ import threading
 import warnings
 from pathlib import Path
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("division_cpu.c", "masks_cpu.c")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("division_cpu.c", "masks_cpu.c", "pool_cpu.c")]
 _HEADERS = [Path(__file__).with_name("bits.h")]
 _LOCK = threading.Lock()
 _LIB = {}
@@ -62,6 +62,10 @@ def _build() -> ctypes.CDLL:
     lib.mask_positive.restype = None
     lib.mask_apply.argtypes = [p, p, i64, p, i32]
     lib.mask_apply.restype = None
+    lib.maxpool_codes.argtypes = [p, i64, i64, i64, i32, i32, i32, i32, i32, i32, i64, i64, p, p, i32]
+    lib.maxpool_codes.restype = None
+    lib.maxpool_codes_backward.argtypes = [p, p, i32, i64, i64, i64, i32, i32, i32, i32, i32, i64, i64, p, i32]
+    lib.maxpool_codes_backward.restype = None
     lib.relu_mask.argtypes = [p, i64, p, p, i32]
     lib.relu_mask.restype = None
     lib.bn_relu_rebuild.argtypes = [p, p, p, p, i64, i64, i64, p, i32]
