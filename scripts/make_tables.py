@@ -207,6 +207,27 @@ def throughput_table(bench, paper, out: Path):
     return [text]
 
 
+def paired_throughput_table(paired, out: Path):
+    """Throughput ratios taken in one process, step by step (``scripts/bench.py --paired``): the median of
+    the per-round ratios to the first method and their quartiles."""
+    ok = [r for r in paired if r["status"] == "ok"]
+    if not ok:
+        return []
+    header = ["suite", "model", "batch", "method", "img/s", "relative to baseline", "quartiles", "paired steps",
+              "device"]
+    rows = []
+    for r in sorted(ok, key=lambda r: (r.get("suite", ""), r["model"], r["batch_size"])):
+        for m in r["methods"]:
+            rows.append([r.get("suite", ""), r["model"], r["batch_size"], m["method"], f"{m['throughput_img_s']:.2f}",
+                         f"{m['relative_to_first']:.3f} of {r['baseline']}",
+                         f"{m['relative_q1']:.3f}-{m['relative_q3']:.3f}", len(m["step_times_s"]),
+                         r.get("device", "")])
+    return [_write_table(out / "throughput_paired", header, rows, _caption(
+        "Training throughput relative to a baseline, paired: every method's model in one process, one timed step "
+        "each per round in alternating order, the ratio taken per round (median and quartiles over rounds).",
+        ok))]
+
+
 def _rank(method):
     return METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER)
 
@@ -418,6 +439,8 @@ def main(argv=None):
     out = res / "tables"
     paper = json.loads((res / "reference" / "division_paper_numbers.json").read_text())
     bench = [r for r in _load(res / "bench") if "batch_size" in r]
+    paired = [r for r in bench if r.get("paired")]
+    bench = [r for r in bench if not r.get("paired")]
     for r in bench:  # the folder names the suite, a subfolder (if any) the round of a repeated suite
         parts = Path(r["_path"]).parts
         if len(parts) > 1:
@@ -427,6 +450,7 @@ def main(argv=None):
     runs = [r for r in _load(res / "runs") if "epochs" in r]
     maxb = [r for r in _load(res / "max_batch") if "max_batch" in r and ".probe" not in r["_path"]]
     texts = memory_table(bench, paper, out) + ablation_table(bench, out) + throughput_table(bench, paper, out) + \
+        paired_throughput_table(paired, out) + \
         accuracy_tables(runs, paper, out, args.experiment) + max_batch_table(maxb, out)
     print("\n\n".join(texts) if texts else "no results found")
     print(f"\nwrote {out}")

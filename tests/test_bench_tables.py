@@ -51,6 +51,32 @@ def test_tiny_benchmark_through_subprocess(tmp_path):
     assert all(r["suite"] == "tiny" for r in recs)
 
 
+def test_paired_throughput_one_process_and_its_table(tmp_path):
+    """--paired: every method's steps in one process, one file per (model, batch) with per-round ratios to
+    the first method; make_tables lists it in its own table and keeps it out of the memory tables."""
+    out = tmp_path / "bench" / "tiny_paired"
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "--paired", "--models", "resnet20", "--batches", "4",
+                           "--methods", "fp,division", "--image-size", "32", "--num-classes", "10", "--steps", "3",
+                           "--warmup", "1", "--suite", "tiny_paired", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = json.loads((out / "paired_resnet20_b4.json").read_text())
+    assert rec["status"] == "ok" and rec["paired"] and rec["baseline"] == "fp" and "git_sha" in rec
+    fp, div = rec["methods"]
+    assert fp["method"] == "fp" and fp["relative_to_first"] == 1.0 and len(div["step_times_s"]) == 3
+    ratios = sorted(a / b for a, b in zip(fp["step_times_s"], div["step_times_s"]))
+    assert div["relative_to_first"] == pytest.approx(ratios[1])
+    ref = ROOT / "results" / "reference" / "division_paper_numbers.json"
+    (tmp_path / "reference").mkdir()
+    (tmp_path / "reference" / ref.name).write_text(ref.read_text())
+    proc = subprocess.run([sys.executable, "scripts/make_tables.py", "--results", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = (tmp_path / "tables" / "throughput_paired.md").read_text()
+    assert f"| tiny_paired | resnet20 | 4 | division | {div['throughput_img_s']:.2f} |" in table
+    assert not (tmp_path / "tables" / "memory_tiny_paired.md").exists()
+
+
 def test_bench_config_rejects_unknown_keys(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("suite: x\nmodel: resnet20\n")

@@ -67,6 +67,45 @@ def measure(model_name: str, batch: int, method_spec: str, image_size: int, step
     }
 
 
+def measure_paired(model_name: str, batch: int, method_specs, image_size: int, steps: int, warmup: int,
+                   device_name: str, amp: str, num_classes: int = 1000) -> dict:
+    """Throughput of several methods taken in one process, step by step: one model per method (same initial
+    weights, same batch), and in each round every method runs one timed step, in alternating order, so that
+    a slow spell of a shared machine hits all of them alike. Each round's ratio fp-time / method-time is
+    a paired measurement; the record gives their median and quartiles. Throughput only: memory needs a
+    process per configuration (``measure``)."""
+    device = torch.device("cuda" if device_name == "auto" and torch.cuda.is_available() else
+                          ("cpu" if device_name == "auto" else device_name))
+    if device.type == "cpu":
+        reuse_freed_memory()
+    x = torch.randn(batch, 3, image_size, image_size, generator=torch.Generator().manual_seed(1)).to(device)
+    y = torch.randint(0, num_classes, (batch,), generator=torch.Generator().manual_seed(2)).to(device)
+    state = engine.StepState(device, amp, scaler=torch.amp.GradScaler("cuda") if amp == "fp16" else None)
+    runs = []
+    for spec in method_specs:
+        torch.manual_seed(0)
+        model = create_model(model_name, num_classes=num_classes, stem="auto", image_size=image_size).to(device)
+        method = methods.build(methods.load_config(spec))
+        method.prepare(model)
+        model.train()
+        runs.append((spec, model, method, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)))
+    times = {spec: [] for spec in method_specs}
+    for k in range(warmup + steps):
+        for spec, model, method, opt in (runs if k % 2 == 0 else runs[::-1]):
+            seconds = engine.train_step(model, method, x, y, opt, None, state).seconds
+            if k >= warmup:
+                times[spec].append(seconds)
+    base = times[method_specs[0]]
+    rows = []
+    for spec in method_specs:
+        ratios = [b / t for b, t in zip(base, times[spec])]
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+        rows.append({"method": spec, "throughput_img_s": batch / statistics.median(times[spec]),
+                     "step_times_s": times[spec], "relative_to_first": statistics.median(ratios),
+                     "relative_q1": q1, "relative_q3": q3})
+    return {"status": "ok", "paired": True, "baseline": method_specs[0], "methods": rows, **results.provenance(device)}
+
+
 def out_path(out_dir: Path, model: str, batch: int, method: str, amp: str) -> Path:
     safe = method.replace(":", "_").replace(",", "_").replace("=", "")
     return out_dir / f"{model}_b{batch}_{safe}{'' if amp == 'none' else '_' + amp}.json"
@@ -121,6 +160,9 @@ def parse(argv=None):
                    help="skip the full-precision reference forward (peak-memory probes)")
     p.add_argument("--glibc-default", action="store_true",
                    help="CPU: keep glibc's default malloc (its cached free memory then inflates the peak)")
+    p.add_argument("--paired", action="store_true",
+                   help="throughput only: all methods of a (model, batch) in one process, step by step in "
+                        "alternating order, ratios to the first method per round (one file per model and batch)")
     p.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.config:
@@ -155,6 +197,8 @@ def main(argv=None):
         results.write_json(path, record)
         return
     base_dir = Path(args.out or ROOT / "results" / "bench" / args.suite)
+    if args.paired:
+        return main_paired(args, models, batches, method_specs, base_dir)
     grid = [(k, model, batch, method) for k in range(1, args.rounds + 1) for model in models for batch in batches
             for method in method_specs]
     for k, model, batch, method in grid:
@@ -171,6 +215,27 @@ def main(argv=None):
                   f"{rec['throughput_img_s']:8.2f} img/s", flush=True)
         else:
             print(f"{tag} {rec['status']}", flush=True)
+
+def main_paired(args, models, batches, method_specs, base_dir: Path):
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for model in models:
+        for batch in batches:
+            path = base_dir / f"paired_{model}_b{batch}{'' if args.amp == 'none' else '_' + args.amp}.json"
+            if path.exists() and not args.force:
+                print(f"skip {results.relative_to_root(path)} (exists)")
+                continue
+            rec = measure_paired(model, batch, method_specs, args.image_size, args.steps, args.warmup, args.device,
+                                 args.amp, args.num_classes)
+            rec.update({"model": model, "batch_size": batch, "image_size": args.image_size, "amp": args.amp,
+                        "steps": args.steps, "warmup": args.warmup, "suite": args.suite,
+                        "stem": stem_of(model, "auto", args.image_size)})
+            results.write_json(path, rec)
+            for row in rec["methods"]:
+                print(f"{model:16s} b{batch:<4d} {row['method']:14s} {row['throughput_img_s']:8.2f} img/s  "
+                      f"{row['relative_to_first']:.3f} of {method_specs[0]} (quartiles {row['relative_q1']:.3f}-"
+                      f"{row['relative_q3']:.3f}, {len(row['step_times_s'])} paired steps)", flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 _SOURCES = [Path(__file__).with_name(n) for n in ("division_cpu.c", "masks_cpu.c", "pool_cpu.c")]
 _HEADERS = [Path(__file__).with_name("bits.h")]
+_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")  # part of the cache key
 _LOCK = threading.Lock()
 _LIB = {}
 
@@ -37,7 +38,7 @@ def _machine() -> str:
 
 def _build() -> ctypes.CDLL:
     src = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
-    tag = hashlib.sha1(src + _machine().encode()).hexdigest()[:16]
+    tag = hashlib.sha1(src + _machine().encode() + " ".join(_FLAGS).encode()).hexdigest()[:16]
     lib_path = _cache_dir() / f"division_cpu_{tag}.so"
     if not lib_path.exists():
         chosen = os.environ.get("CC")  # CC names the compiler; only without it are cc and gcc tried
@@ -47,8 +48,7 @@ def _build() -> ctypes.CDLL:
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
             out = Path(tmp) / lib_path.name
-            subprocess.run([compiler, "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno",
-                            *map(str, _SOURCES), "-o", str(out), "-lm"], check=True, capture_output=True, timeout=120)
+            subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(out), "-lm"], check=True, capture_output=True, timeout=120)
             os.replace(out, lib_path)
     lib = ctypes.CDLL(str(lib_path))
     p, i64, i32, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64

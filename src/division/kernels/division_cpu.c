@@ -169,7 +169,7 @@ int division_encode(const float *x, int64_t maps, int64_t h, int64_t w, int64_t 
             } else if (lfc) {
                 /* Block means into the bf16 LFC; ``up`` gets the stored LFC upsampled, one row per block row
                  * where rows are wide, the whole map where they are short (then one flat loop). */
-                const int wide = w >= 16;
+                const int wide = w >= 48;  /* per-row reductions pay off on long rows only */
                 const int64_t rows = wide ? bh : h;
                 for (int64_t r0 = 0; r0 < h; r0 += rows) {
                     const int64_t r1 = r0 + rows < h ? r0 + rows : h;
