@@ -54,8 +54,8 @@ def _pointwise_weight_grad(x, grad, stride):
     """dW of a 1x1 convolution: sum over samples of grad_n (Cout x P) @ x_n^T (P x Cin), P = output pixels."""
     n, cout = grad.shape[:2]
     xs = x[:, :, ::stride[0], ::stride[1]] if tuple(stride) != (1, 1) else x
-    gw = grad.new_zeros(cout, x.shape[1])
-    for i in range(n):
+    gw = torch.mm(grad[0].reshape(cout, -1), xs[0].reshape(x.shape[1], -1).t())
+    for i in range(1, n):
         gw.addmm_(grad[i].reshape(cout, -1), xs[i].reshape(x.shape[1], -1).t())
     return gw.view(cout, x.shape[1], 1, 1)
 
