@@ -141,7 +141,8 @@ def _compiled_or_skip():
         pytest.skip("no C compiler: the compiled kernels are optional")
 
 
-@pytest.mark.parametrize("shape", [(2, 3, 32, 32), (2, 3, 7, 7), (1, 2, 13, 17), (3, 1, 56, 56), (1, 1, 5, 1030)])
+@pytest.mark.parametrize("shape", [(2, 3, 32, 32), (2, 3, 7, 7), (1, 2, 13, 17), (3, 1, 56, 56), (1, 1, 5, 1030),
+                                   (2, 3, 14, 14), (2, 5, 11, 9), (1, 2, 20, 3), (1, 2, 28, 28)])
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_compiled_kernel_matches_reference(shape, bits):
     """The fused CPU kernel keeps the reference layout: its packed object decodes identically through the
@@ -178,6 +179,11 @@ def test_compiled_kernel_unbiased_and_falls_back_on_nonfinite():
     x[0, 0, 0, 0] = float("nan")
     p = codec.encode(x)
     assert not getattr(p, "compiled", False)
+    for shape in ((1, 2, 14, 14), (1, 2, 7, 7), (1, 2, 40, 40)):  # narrow, one-block and wide maps
+        z = torch.randn(shape)
+        z[0, 1, 3, 2] = float("inf")
+        kept = DivisionCodec(hfc_bits=2, backend="compiled").encode(z)
+        assert not getattr(kept, "compiled", False) and torch.isinf(kept.decode()[0, 1, 3, 2])
     assert torch.isnan(p.decode()).sum() == 1
 
 

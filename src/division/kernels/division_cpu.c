@@ -56,6 +56,43 @@ static void upsample_map(const uint16_t *restrict lm, int64_t h, int64_t w, int6
     }
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* Maps at most 16 wide (14 x 14 at B = 8): one row is one vector. Column sums of a block row stay in a
+ * register, each block's mean comes from a masked reduction, and the HFC rows are made against the
+ * upsampled LFC row held in a register: no map-sized LFC buffer, one pass over the input for the HFC. */
+static void narrow_map_lfc_hfc(const float *restrict xm, int64_t h, int64_t w, int64_t bh, int64_t bw,
+                               uint16_t *restrict lm, float *restrict hfc, float *mn, float *mx,
+                               uint32_t *nonfinite) {
+    const __mmask16 live = (__mmask16)((1u << w) - 1u);
+    const int64_t wb = (w + bw - 1) / bw;
+    __m512 vmn = _mm512_set1_ps(INFINITY), vmx = _mm512_set1_ps(-INFINITY);
+    __mmask16 bad = 0;
+    for (int64_t r0 = 0; r0 < h; r0 += bh) {
+        const int64_t r1 = r0 + bh < h ? r0 + bh : h;
+        __m512 cs = _mm512_setzero_ps(), up = _mm512_setzero_ps();
+        for (int64_t r = r0; r < r1; r++) cs = _mm512_add_ps(cs, _mm512_maskz_loadu_ps(live, xm + r * w));
+        for (int64_t j = 0; j < wb; j++) {
+            const int64_t w0 = j * bw, w1 = w0 + bw < w ? w0 + bw : w;
+            const __mmask16 seg = (__mmask16)(((1u << w1) - 1u) & ~((1u << w0) - 1u));
+            const uint16_t b = f32_to_bf16(_mm512_mask_reduce_add_ps(seg, cs) / (float)((r1 - r0) * (w1 - w0)));
+            lm[(r0 / bh) * wb + j] = b;
+            up = _mm512_mask_mov_ps(up, seg, _mm512_set1_ps(bf16_to_f32(b)));
+        }
+        for (int64_t r = r0; r < r1; r++) {
+            const __m512 v = _mm512_sub_ps(_mm512_maskz_loadu_ps(live, xm + r * w), up);
+            _mm512_mask_storeu_ps(hfc + r * w, live, v);
+            vmn = _mm512_mask_min_ps(vmn, live, vmn, v);
+            vmx = _mm512_mask_max_ps(vmx, live, vmx, v);
+            bad |= _mm512_mask_cmp_ps_mask(live, _mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+        }
+    }
+    *mn = _mm512_reduce_min_ps(vmn);
+    *mx = _mm512_reduce_max_ps(vmx);
+    *nonfinite = bad != 0;
+}
+#endif
+
 /* Two ranges of one map's values, by split bit: minimum[b], scale[b] for b = 0, 1 (0, 0 for an empty side). */
 static void split_ranges(const float *restrict v, int64_t n, const uint8_t *restrict split, int64_t base,
                          uint8_t *restrict sbuf, float levels, int stat_bf16, float *minimum, float *scale) {
@@ -166,6 +203,10 @@ int division_encode(const float *x, int64_t maps, int64_t h, int64_t w, int64_t 
                     mn = v < mn ? v : mn;
                     mx = v > mx ? v : mx;
                 }
+#ifdef __AVX512F__
+            } else if (lfc && w <= 16) {
+                narrow_map_lfc_hfc(xm, h, w, bh, bw, lfc + m * nblocks, hfc, &mn, &mx, &nonfinite);
+#endif
             } else if (lfc) {
                 /* Block means into the bf16 LFC; ``up`` gets the stored LFC upsampled, one row per block row
                  * where rows are wide, the whole map where they are short (then one flat loop). */
@@ -335,6 +376,26 @@ int division_decode(const uint8_t *packed, const uint16_t *lfc, const float *min
                 const float o = mn + bf16_to_f32(lfc[m]);
 #pragma omp simd
                 for (int64_t e = 0; e < hw; e++) om[e] = o + (float)cbuf[e] * sc;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+            } else if (lfc && w <= 16) {  /* narrow maps: one row is one vector (see narrow_map_lfc_hfc) */
+                const __mmask16 live = (__mmask16)((1u << w) - 1u);
+                const uint16_t *lm = lfc + m * nblocks;
+                const int64_t wb = (w + bw - 1) / bw;
+                const __m512 vsc = _mm512_set1_ps(sc);
+                for (int64_t i = 0; i * bh < h; i++) {
+                    const int64_t h0 = i * bh, h1 = h0 + bh < h ? h0 + bh : h;
+                    __m512 up = _mm512_setzero_ps();
+                    for (int64_t j = 0; j < wb; j++) {
+                        const int64_t w0 = j * bw, w1 = w0 + bw < w ? w0 + bw : w;
+                        const __mmask16 seg = (__mmask16)(((1u << w1) - 1u) & ~((1u << w0) - 1u));
+                        up = _mm512_mask_mov_ps(up, seg, _mm512_set1_ps(mn + bf16_to_f32(lm[i * wb + j])));
+                    }
+                    for (int64_t r = h0; r < h1; r++) {
+                        const __m512 code = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live, cbuf + r * w)));
+                        _mm512_mask_storeu_ps(om + r * w, live, _mm512_add_ps(up, _mm512_mul_ps(code, vsc)));
+                    }
+                }
+#endif
             } else if (lfc) {  /* small maps: one flat loop over the map */
                 upsample_map(lfc + m * nblocks, h, w, bh, bw, mn, row, up);
 #pragma omp simd
