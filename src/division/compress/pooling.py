@@ -29,6 +29,7 @@ def _maxpool_compiled(lib, x, ctx, ceil_mode):
     ctx.out_shape = out.shape
     return out
 
+
 def _sample_chunks(n: int, per_sample: int, target: int = 1 << 21):
     """Slices of the batch holding about ``target`` elements each: index arithmetic on int64 would otherwise
     make several full-size temporaries (8 bytes per element) at the largest maps of the network."""
