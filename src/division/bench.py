@@ -19,6 +19,27 @@ from division.models import create_model, stem_of
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _device(device_name: str) -> torch.device:
+    """``auto``: CUDA where available, else the CPU."""
+    if device_name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device_name)
+
+
+def _prepared(model_name: str, method_cfg: dict, image_size: int, num_classes: int, device: torch.device):
+    """(model, method, optimizer) as every benchmark row starts them: seed 0, the method installed, SGD."""
+    torch.manual_seed(0)
+    model = create_model(model_name, num_classes=num_classes, stem="auto", image_size=image_size).to(device)
+    method = methods.build(method_cfg)
+    method.prepare(model)
+    model.train()
+    return model, method, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+
+def _step_state(device: torch.device, amp: str) -> engine.StepState:
+    return engine.StepState(device, amp, scaler=torch.amp.GradScaler("cuda") if amp == "fp16" else None)
+
+
 def measure(model_name: str, batch: int, method_spec: str, image_size: int, steps: int, warmup: int,
             device_name: str, amp: str, num_classes: int = 1000, fp_reference: bool = True,
             release_memory: bool = True) -> dict:
@@ -27,18 +48,12 @@ def measure(model_name: str, batch: int, method_spec: str, image_size: int, step
     optimizer state then exists); their peak is the peak reported (on CPU measured with glibc returning freed
     blocks), its growth is over the memory in use just before them (weights, inputs). Then ``warmup - 1``
     untimed steps and ``steps`` timed ones with the allocator's fast setting."""
-    device = torch.device("cuda" if device_name == "auto" and torch.cuda.is_available() else
-                          ("cpu" if device_name == "auto" else device_name))
-    torch.manual_seed(0)
-    model = create_model(model_name, num_classes=num_classes, stem="auto", image_size=image_size).to(device)
+    device = _device(device_name)
     method_cfg = methods.load_config(method_spec)
-    method = methods.build(method_cfg)
-    method.prepare(model)
-    model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    model, method, opt = _prepared(model_name, method_cfg, image_size, num_classes, device)
     x = torch.randn(batch, 3, image_size, image_size, device=device)
     y = torch.randint(0, num_classes, (batch,), device=device)
-    state = engine.StepState(device, amp, scaler=torch.amp.GradScaler("cuda") if amp == "fp16" else None)
+    state = _step_state(device, amp)
     live = release_freed_memory() if device.type == "cpu" and release_memory else False
     fp = engine.fp_reference(model, method, x, y, state) if fp_reference else None
     meter = PeakMeter(device)
@@ -74,21 +89,14 @@ def measure_paired(model_name: str, batch: int, method_specs, image_size: int, s
     a slow spell of a shared machine hits all of them alike. Each round's ratio fp-time / method-time is
     a paired measurement; the record gives their median and quartiles. Throughput only: memory needs a
     process per configuration (``measure``)."""
-    device = torch.device("cuda" if device_name == "auto" and torch.cuda.is_available() else
-                          ("cpu" if device_name == "auto" else device_name))
+    device = _device(device_name)
     if device.type == "cpu":
         reuse_freed_memory()
     x = torch.randn(batch, 3, image_size, image_size, generator=torch.Generator().manual_seed(1)).to(device)
     y = torch.randint(0, num_classes, (batch,), generator=torch.Generator().manual_seed(2)).to(device)
-    state = engine.StepState(device, amp, scaler=torch.amp.GradScaler("cuda") if amp == "fp16" else None)
-    runs = []
-    for spec in method_specs:
-        torch.manual_seed(0)
-        model = create_model(model_name, num_classes=num_classes, stem="auto", image_size=image_size).to(device)
-        method = methods.build(methods.load_config(spec))
-        method.prepare(model)
-        model.train()
-        runs.append((spec, model, method, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)))
+    state = _step_state(device, amp)
+    runs = [(spec, *_prepared(model_name, methods.load_config(spec), image_size, num_classes, device))
+            for spec in method_specs]
     times = {spec: [] for spec in method_specs}
     for k in range(warmup + steps):
         for spec, model, method, opt in (runs if k % 2 == 0 else runs[::-1]):
@@ -215,6 +223,7 @@ def main(argv=None):
                   f"{rec['throughput_img_s']:8.2f} img/s", flush=True)
         else:
             print(f"{tag} {rec['status']}", flush=True)
+
 
 def main_paired(args, models, batches, method_specs, base_dir: Path):
     if args.threads:

@@ -58,6 +58,19 @@ static void upsample_map(const uint16_t *restrict lm, int64_t h, int64_t w, int6
 
 #ifdef __AVX512F__
 #include <immintrin.h>
+/* Lanes w0 .. w1 - 1 of a row of at most 16. */
+static inline __mmask16 lanes(int64_t w0, int64_t w1) {
+    return (__mmask16)(((1u << w1) - 1u) & ~((1u << w0) - 1u));
+}
+
+/* One block row of the stored bf16 LFC (``lm``), upsampled along a row at most 16 wide, plus ``offset``. */
+static inline __m512 narrow_lfc_row(const uint16_t *lm, int64_t w, int64_t bw, float offset) {
+    __m512 up = _mm512_setzero_ps();
+    for (int64_t j = 0, w0 = 0; w0 < w; j++, w0 += bw)
+        up = _mm512_mask_mov_ps(up, lanes(w0, w0 + bw < w ? w0 + bw : w), _mm512_set1_ps(offset + bf16_to_f32(lm[j])));
+    return up;
+}
+
 /* Maps at most 16 wide (14 x 14 at B = 8): one row is one vector. Column sums of a block row stay in a
  * register, each block's mean comes from a masked reduction, and the HFC rows are made against the
  * upsampled LFC row held in a register: no map-sized LFC buffer, one pass over the input for the HFC. */
@@ -70,15 +83,14 @@ static void narrow_map_lfc_hfc(const float *restrict xm, int64_t h, int64_t w, i
     __mmask16 bad = 0;
     for (int64_t r0 = 0; r0 < h; r0 += bh) {
         const int64_t r1 = r0 + bh < h ? r0 + bh : h;
-        __m512 cs = _mm512_setzero_ps(), up = _mm512_setzero_ps();
+        uint16_t *restrict lrow = lm + (r0 / bh) * wb;
+        __m512 cs = _mm512_setzero_ps();
         for (int64_t r = r0; r < r1; r++) cs = _mm512_add_ps(cs, _mm512_maskz_loadu_ps(live, xm + r * w));
         for (int64_t j = 0; j < wb; j++) {
             const int64_t w0 = j * bw, w1 = w0 + bw < w ? w0 + bw : w;
-            const __mmask16 seg = (__mmask16)(((1u << w1) - 1u) & ~((1u << w0) - 1u));
-            const uint16_t b = f32_to_bf16(_mm512_mask_reduce_add_ps(seg, cs) / (float)((r1 - r0) * (w1 - w0)));
-            lm[(r0 / bh) * wb + j] = b;
-            up = _mm512_mask_mov_ps(up, seg, _mm512_set1_ps(bf16_to_f32(b)));
+            lrow[j] = f32_to_bf16(_mm512_mask_reduce_add_ps(lanes(w0, w1), cs) / (float)((r1 - r0) * (w1 - w0)));
         }
+        const __m512 up = narrow_lfc_row(lrow, w, bw, 0.0f);
         for (int64_t r = r0; r < r1; r++) {
             const __m512 v = _mm512_sub_ps(_mm512_maskz_loadu_ps(live, xm + r * w), up);
             _mm512_mask_storeu_ps(hfc + r * w, live, v);
@@ -379,17 +391,11 @@ int division_decode(const uint8_t *packed, const uint16_t *lfc, const float *min
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
             } else if (lfc && w <= 16) {  /* narrow maps: one row is one vector (see narrow_map_lfc_hfc) */
                 const __mmask16 live = (__mmask16)((1u << w) - 1u);
-                const uint16_t *lm = lfc + m * nblocks;
                 const int64_t wb = (w + bw - 1) / bw;
                 const __m512 vsc = _mm512_set1_ps(sc);
                 for (int64_t i = 0; i * bh < h; i++) {
                     const int64_t h0 = i * bh, h1 = h0 + bh < h ? h0 + bh : h;
-                    __m512 up = _mm512_setzero_ps();
-                    for (int64_t j = 0; j < wb; j++) {
-                        const int64_t w0 = j * bw, w1 = w0 + bw < w ? w0 + bw : w;
-                        const __mmask16 seg = (__mmask16)(((1u << w1) - 1u) & ~((1u << w0) - 1u));
-                        up = _mm512_mask_mov_ps(up, seg, _mm512_set1_ps(mn + bf16_to_f32(lm[i * wb + j])));
-                    }
+                    const __m512 up = narrow_lfc_row(lfc + m * nblocks + i * wb, w, bw, mn);
                     for (int64_t r = h0; r < h1; r++) {
                         const __m512 code = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live, cbuf + r * w)));
                         _mm512_mask_storeu_ps(om + r * w, live, _mm512_add_ps(up, _mm512_mul_ps(code, vsc)));
