@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 
 _SOURCES = [Path(__file__).with_name(n) for n in ("division_cpu.c", "masks_cpu.c", "pool_cpu.c")]
-_HEADERS = [Path(__file__).with_name("bits.h")]
+_HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")  # part of the cache key
 _LOCK = threading.Lock()
 _LIB = {}

@@ -58,6 +58,16 @@ static inline uint32_t hash32(uint32_t z) {
     return z ^ (z >> 16);
 }
 
+/* The 16-bit random draws of stochastic rounding for n elements: one 32-bit hash serves two elements, 16 bits
+ * each (offset by half a step when used, so the rounding bias stays below 2^-17 of a quantization step). */
+static inline void rounding_draws(uint32_t key, int64_t n, uint16_t *restrict rnd) {
+#pragma omp simd
+    for (int64_t k = 0; k < (n + 1) / 2; k++) {
+        const uint32_t r = hash32(key + (uint32_t)k);
+        memcpy(rnd + 2 * k, &r, 4);  /* memcpy: no aliasing between the two views */
+    }
+}
+
 /* codes (one byte each, values < 2^bits) -> packed bytes, little end first; n is a multiple of 8/bits.
  * The codes of one output byte are read as one little-endian word and folded with shifts, so each loop is
  * plain lane-wise integer arithmetic that the compiler vectorises. */
@@ -114,6 +124,15 @@ static inline void unpack_aligned(const uint8_t *restrict in, int64_t n, int bit
     default:
         memcpy(c, in, (size_t)n);
     }
+}
+
+/* Mask bits as 16-lane words: bits base .. base + 15 of a packed bit mask of ``nbytes`` bytes (bits past the
+ * end read as 0). Whole 16-bit words when base is a multiple of 16, else three bytes shifted. */
+static inline uint32_t bits16(const uint8_t *restrict mask, int64_t nbytes, int64_t base) {
+    const int64_t k = base >> 3;
+    uint32_t w = 0;
+    for (int t = 0; t < 3 && k + t < nbytes; t++) w |= (uint32_t)mask[k + t] << (8 * t);
+    return (w >> (base & 7)) & 0xFFFFu;
 }
 
 /* The bits of one map (elements base .. base + n - 1 of a packed bit mask) as bytes. */

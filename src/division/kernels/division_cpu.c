@@ -56,106 +56,9 @@ static void upsample_map(const uint16_t *restrict lm, int64_t h, int64_t w, int6
     }
 }
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-/* Lanes w0 .. w1 - 1 of a row of at most 16. */
-static inline __mmask16 lanes(int64_t w0, int64_t w1) {
-    return (__mmask16)(((1u << w1) - 1u) & ~((1u << w0) - 1u));
-}
+#include "narrow.h"
 
-/* One block row of the stored bf16 LFC (``lm``), upsampled along a row at most 16 wide, plus ``offset``. */
-static inline __m512 narrow_lfc_row(const uint16_t *lm, int64_t w, int64_t bw, float offset) {
-    __m512 up = _mm512_setzero_ps();
-    for (int64_t j = 0, w0 = 0; w0 < w; j++, w0 += bw)
-        up = _mm512_mask_mov_ps(up, lanes(w0, w0 + bw < w ? w0 + bw : w), _mm512_set1_ps(offset + bf16_to_f32(lm[j])));
-    return up;
-}
-
-/* Maps at most 16 wide (14 x 14 at B = 8): one row is one vector. Column sums of a block row stay in a
- * register, each block's mean comes from a masked reduction, and the HFC rows are made against the
- * upsampled LFC row held in a register: no map-sized LFC buffer, one pass over the input for the HFC. */
-static void narrow_map_lfc_hfc(const float *restrict xm, int64_t h, int64_t w, int64_t bh, int64_t bw,
-                               uint16_t *restrict lm, float *restrict hfc, float *mn, float *mx,
-                               uint32_t *nonfinite) {
-    const __mmask16 live = (__mmask16)((1u << w) - 1u);
-    const int64_t wb = (w + bw - 1) / bw;
-    __m512 vmn = _mm512_set1_ps(INFINITY), vmx = _mm512_set1_ps(-INFINITY);
-    __mmask16 bad = 0;
-    for (int64_t r0 = 0; r0 < h; r0 += bh) {
-        const int64_t r1 = r0 + bh < h ? r0 + bh : h;
-        uint16_t *restrict lrow = lm + (r0 / bh) * wb;
-        __m512 cs = _mm512_setzero_ps();
-        for (int64_t r = r0; r < r1; r++) cs = _mm512_add_ps(cs, _mm512_maskz_loadu_ps(live, xm + r * w));
-        for (int64_t j = 0; j < wb; j++) {
-            const int64_t w0 = j * bw, w1 = w0 + bw < w ? w0 + bw : w;
-            lrow[j] = f32_to_bf16(_mm512_mask_reduce_add_ps(lanes(w0, w1), cs) / (float)((r1 - r0) * (w1 - w0)));
-        }
-        const __m512 up = narrow_lfc_row(lrow, w, bw, 0.0f);
-        for (int64_t r = r0; r < r1; r++) {
-            const __m512 v = _mm512_sub_ps(_mm512_maskz_loadu_ps(live, xm + r * w), up);
-            _mm512_mask_storeu_ps(hfc + r * w, live, v);
-            vmn = _mm512_mask_min_ps(vmn, live, vmn, v);
-            vmx = _mm512_mask_max_ps(vmx, live, vmx, v);
-            bad |= _mm512_mask_cmp_ps_mask(live, _mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_NEQ_UQ);
-        }
-    }
-    *mn = _mm512_reduce_min_ps(vmn);
-    *mx = _mm512_reduce_max_ps(vmx);
-    *nonfinite = bad != 0;
-}
-#endif
-
-/* Two ranges of one map's values, by split bit: minimum[b], scale[b] for b = 0, 1 (0, 0 for an empty side). */
-static void split_ranges(const float *restrict v, int64_t n, const uint8_t *restrict split, int64_t base,
-                         uint8_t *restrict sbuf, float levels, int stat_bf16, float *minimum, float *scale) {
-    split_bits(split, base, n, sbuf);
-    float mn0 = INFINITY, mx0 = -INFINITY, mn1 = INFINITY, mx1 = -INFINITY;
-#pragma omp simd reduction(min:mn0, mn1) reduction(max:mx0, mx1)
-    for (int64_t e = 0; e < n; e++) {
-        const float a = v[e];
-        const int s = sbuf[e];
-        mn0 = (!s && a < mn0) ? a : mn0;
-        mx0 = (!s && a > mx0) ? a : mx0;
-        mn1 = (s && a < mn1) ? a : mn1;
-        mx1 = (s && a > mx1) ? a : mx1;
-    }
-    const float lo[2] = {mn0, mn1}, hi[2] = {mx0, mx1};
-    for (int b = 0; b < 2; b++) {
-        if (!(lo[b] <= hi[b])) {  /* no element on this side */
-            minimum[b] = 0.0f;
-            scale[b] = 0.0f;
-        } else if (stat_bf16) {
-            minimum[b] = bf16_down(lo[b]);
-            scale[b] = bf16_up((hi[b] - minimum[b]) / levels);
-        } else {
-            minimum[b] = lo[b];
-            scale[b] = (hi[b] - lo[b]) / levels;
-        }
-    }
-}
-
-/* Codes of one map with the range of each element's side (see split_ranges). */
-static void quantize_split(const float *restrict v, int64_t n, const uint8_t *restrict sbuf, const float *minimum,
-                           const float *scale, uint32_t key, int stochastic, int top, uint16_t *restrict rnd,
-                           uint8_t *restrict out) {
-    const float mn0 = minimum[0], mn1 = minimum[1];
-    const float inv0 = scale[0] > 0.0f ? 1.0f / scale[0] : 0.0f, inv1 = scale[1] > 0.0f ? 1.0f / scale[1] : 0.0f;
-    if (stochastic) {
-#pragma omp simd
-        for (int64_t k = 0; k < (n + 1) / 2; k++) {
-            const uint32_t r = hash32(key + (uint32_t)k);
-            memcpy(rnd + 2 * k, &r, 4);
-        }
-    }
-#pragma omp simd
-    for (int64_t e = 0; e < n; e++) {
-        const int s = sbuf[e];
-        const float u = stochastic ? ((float)rnd[e] + 0.5f) * (1.0f / 65536.0f) : 0.5f;
-        const float t = (v[e] - (s ? mn1 : mn0)) * (s ? inv1 : inv0) + u;
-        const int q = t > 0.0f ? (int)t : 0;
-        out[e] = (uint8_t)(q < top ? q : top);
-    }
-}
+#include "split.h"
 
 /* Returns the number of maps holding a NaN or Inf (in x, its LFC or its HFC range); the caller then uses the
  * reference path, which keeps such values exactly. */
@@ -174,7 +77,7 @@ int division_encode(const float *x, int64_t maps, int64_t h, int64_t w, int64_t 
      * so small maps vectorise as well as large ones. */
     const int shift = bits == 1 ? 3 : (bits == 2 ? 2 : (bits == 4 ? 1 : 0));
     const int64_t per_mask = (1 << shift) - 1;
-    const int64_t hw = h * w;
+    const int64_t hw = h * w, split_nbytes = (maps * hw + 7) / 8;
     const int aligned = (hw & per_mask) == 0;
     const int64_t nbw = (w + bw - 1) / bw, nblocks = lfc ? ((h + bh - 1) / bh) * nbw : 0;
     const float levels = (float)((1 << bits) - 1);
@@ -267,8 +170,10 @@ int division_encode(const float *x, int64_t maps, int64_t h, int64_t w, int64_t 
             const uint32_t key = (uint32_t)splitmix64(seed ^ (0xD1B54A32D192ED03ull * (uint64_t)(m + 1)));
             uint8_t *restrict out = aligned ? cbuf : codes + m * hw;
             if (split) {
-                split_ranges(hfc, hw, split, m * hw, sbuf, levels, stat_bf16, minimum + 2 * m, scale + 2 * m);
-                quantize_split(hfc, hw, sbuf, minimum + 2 * m, scale + 2 * m, key, stochastic, top, rnd, out);
+                split_ranges(hfc, hw, split, split_nbytes, m * hw, sbuf, levels, stat_bf16, minimum + 2 * m,
+                             scale + 2 * m);
+                quantize_split(hfc, hw, split, split_nbytes, m * hw, sbuf, minimum + 2 * m, scale + 2 * m, key,
+                               stochastic, top, rnd, out);
                 if (aligned) pack_aligned(cbuf, hw, bits, packed + ((m * hw) >> shift));
                 continue;
             }
@@ -287,14 +192,7 @@ int division_encode(const float *x, int64_t maps, int64_t h, int64_t w, int64_t 
             }
             const float inv = sc > 0.0f ? 1.0f / sc : 0.0f;
             if (stochastic) {
-                /* One 32-bit hash serves two elements, 16 bits each (offset by half a step, so the rounding
-                 * bias stays below 2^-17 of a quantization step): half the multiplies of a hash per element. */
-                const int64_t pairs = (hw + 1) / 2;
-#pragma omp simd
-                for (int64_t k = 0; k < pairs; k++) {
-                    const uint32_t r = hash32(key + (uint32_t)k);
-                    memcpy(rnd + 2 * k, &r, 4);  /* memcpy: no aliasing between the two views */
-                }
+                rounding_draws(key, hw, rnd);
                 const uint16_t *restrict r16 = rnd;
 #pragma omp simd
                 for (int64_t e = 0; e < hw; e++) {
@@ -327,7 +225,7 @@ int division_encode(const float *x, int64_t maps, int64_t h, int64_t w, int64_t 
 int division_decode(const uint8_t *packed, const uint16_t *lfc, const float *minimum, const float *scale,
                      int64_t maps, int64_t h, int64_t w, int64_t bh, int64_t bw, int bits, float *out, int threads,
                      const uint8_t *split) {
-    const int64_t hw = h * w;
+    const int64_t hw = h * w, split_nbytes = (maps * hw + 7) / 8;
     const int64_t nblocks = lfc ? ((h + bh - 1) / bh) * ((w + bw - 1) / bw) : 0;
     const int shift = bits == 1 ? 3 : (bits == 2 ? 2 : (bits == 4 ? 1 : 0));  /* log2(codes per byte) */
     const int64_t per_mask = (1 << shift) - 1;
@@ -357,16 +255,11 @@ int division_decode(const uint8_t *packed, const uint16_t *lfc, const float *min
                 }
             }
             if (split) {  /* two ranges per map, chosen by the split bit of each element */
-                split_bits(split, m * hw, hw, sbuf);
-                if (lfc)
+                const int one_block = !lfc || (h <= bh && w <= bw);  /* a constant LFC: no upsampled map */
+                if (!one_block)
                     upsample_map(lfc + m * nblocks, h, w, bh, bw, 0.0f, row, up);
-                const float mn0 = minimum[2 * m], mn1 = minimum[2 * m + 1];
-                const float sc0 = scale[2 * m], sc1 = scale[2 * m + 1];
-#pragma omp simd
-                for (int64_t e = 0; e < hw; e++) {
-                    const int s = sbuf[e];
-                    om[e] = (lfc ? up[e] : 0.0f) + (s ? mn1 : mn0) + (float)cbuf[e] * (s ? sc1 : sc0);
-                }
+                split_decode(cbuf, one_block ? NULL : up, lfc && one_block ? bf16_to_f32(lfc[m]) : 0.0f, hw, split,
+                             split_nbytes, m * hw, sbuf, minimum + 2 * m, scale + 2 * m, om);
             } else if (lfc && w >= 16) {  /* wide rows: one upsampled row per block row, no map-sized buffer */
                 const uint16_t *lm = lfc + m * nblocks;
                 const int64_t wb = (w + bw - 1) / bw;

@@ -24,15 +24,6 @@ void pack_codes(const uint8_t *codes, int64_t numel, int bits, uint8_t *out, int
     }
 }
 
-/* Mask bits as 16-lane words: bits base .. base + 15 of a packed bit mask of ``nbytes`` bytes (bits past the
- * end read as 0). Whole 16-bit words when base is a multiple of 16, else three bytes shifted. */
-static inline uint32_t bits16(const uint8_t *restrict mask, int64_t nbytes, int64_t base) {
-    const int64_t k = base >> 3;
-    uint32_t w = 0;
-    for (int t = 0; t < 3 && k + t < nbytes; t++) w |= (uint32_t)mask[k + t] << (8 * t);
-    return (w >> (base & 7)) & 0xFFFFu;
-}
-
 /* ReLU mask: bit i of byte k is y[8k + i] > 0 (NaN and -0 give 0), as pack_bits lays out 1-bit codes.
  * Sixteen elements make one little-endian 16-bit word of the mask. */
 void mask_positive(const float *y, int64_t n, uint8_t *out, int threads) {
@@ -125,6 +116,7 @@ void bn_relu_rebuild(const float *y, const float *alpha, const float *beta, cons
             _mm512_mask_storeu_ps(om + e, live, _mm512_maskz_mov_ps(bits, v));
         }
 #else
+        (void)nbytes;
         for (; e < hw; e++) {
             const int64_t idx = m * hw + e;
             om[e] = ((mask[idx >> 3] >> (idx & 7)) & 1u) ? ym[e] * a + b : 0.0f;
