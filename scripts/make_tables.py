@@ -238,6 +238,18 @@ def experiments_of(runs):
     return sorted({Path(r["_path"]).parts[0] for r in runs} & known)
 
 
+def _mean_std(values):
+    """(mean, sample std) of a list; (None, None) when empty, std 0 for one value."""
+    if not values:
+        return None, None
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def _mean_of(records, key):
+    values = [r[key] for r in records if r.get(key) is not None]
+    return statistics.mean(values) if values else None
+
+
 def accuracy_tables(runs, paper, out: Path, only=None):
     texts = []
     for exp in experiments_of(runs):
@@ -248,7 +260,8 @@ def accuracy_tables(runs, paper, out: Path, only=None):
 
 
 def accuracy_table(runs, paper, out: Path, experiment: str):
-    """(c) accuracy per method of one experiment: mean ± std over seeds, n."""
+    """(c) accuracy per method of one experiment: final and best top-1 (mean ± std over seeds), n, gap to fp,
+    activation compression and throughput of the same runs, the commits of each row."""
     ok = [r for r in runs if r.get("status") == "ok" and r.get("top1") is not None]
     if not ok:
         return []
@@ -256,17 +269,24 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
     for r in ok:
         experiment = Path(r["_path"]).parts[0] if len(Path(r["_path"]).parts) > 2 else r.get("experiment", "default")
         groups[(experiment, r["data"], r["model"], r["method"])].append(r)
-    header = ["experiment", "data", "model", "method", "top-1 % (mean ± std)", "n", "gap to fp", "paper top-1 %"]
+    header = ["experiment", "data", "model", "method", "top-1 % (mean ± std)", "best top-1 %", "n", "gap to fp",
+              "activation compression", "img/s (rel. to fp)", "commit(s)", "paper top-1 %"]
     rows = []
-    fp_mean = {}
+    fp = {}
     for (exp, data, model, method), recs in groups.items():
         if method == "fp":
-            fp_mean[(exp, data, model)] = statistics.mean(r["top1"] for r in recs)
+            fp[(exp, data, model)] = (statistics.mean(r["top1"] for r in recs), _mean_of(recs, "throughput_img_s"))
+    mixed = []
     for (exp, data, model, method), recs in sorted(groups.items(), key=lambda kv: (kv[0][:3], _rank(kv[0][3]))):
-        vals = [r["top1"] for r in recs]
-        mean = statistics.mean(vals)
-        std = statistics.stdev(vals) if len(vals) > 1 else 0.0
-        gap = "" if (exp, data, model) not in fp_mean else f"{mean - fp_mean[(exp, data, model)]:+.2f}"
+        mean, std = _mean_std([r["top1"] for r in recs])
+        best = _mean_std([r["best_top1"] for r in recs if r.get("best_top1") is not None])
+        fp_top1, fp_speed = fp.get((exp, data, model), (None, None))
+        gap = "" if fp_top1 is None else f"{mean - fp_top1:+.2f}"
+        compression = _mean_of(recs, "act_compression")
+        speed = _mean_of(recs, "throughput_img_s")
+        label, warning = commits(recs)
+        if warning:
+            mixed.append(method)
         prow = paper.get("accuracy_top1_percent", {})
         cols, prows = prow.get("columns", []), prow.get("rows", {})
         pname = {"fp": "normal"}.get(method, method)
@@ -274,10 +294,19 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
         if exp.startswith("paper_") and f"{data}/{model}" in prows and pname in cols:
             v = prows[f"{data}/{model}"][cols.index(pname)]
             pval = "" if v is None else f"{v:.2f}"
-        rows.append([exp, data, model, method, f"{mean:.2f} ± {std:.2f}", len(vals), gap, pval])
-    text = _write_table(out / f"accuracy_{experiment}", header, rows, _caption(
-        f"Experiment {experiment}: test top-1 accuracy (last epoch), mean ± std over seeds (n runs); gap = method "
-        "mean - fp mean. Paper figures appear beside runs of the paper's own recipes (experiments paper_*).", ok))
+        rows.append([exp, data, model, method, f"{mean:.2f} ± {std:.2f}",
+                     "" if best[0] is None else f"{best[0]:.2f} ± {best[1]:.2f}", len(recs), gap,
+                     "" if compression is None else f"{compression:.2f}x",
+                     "" if speed is None else f"{speed:.1f}" + ("" if not fp_speed else f" ({speed / fp_speed:.2f})"),
+                     label, pval])
+    warning = f" WARNING: rows mixing commits or uncommitted code: {', '.join(mixed)}." if mixed else ""
+    text = _write_table(out / f"accuracy_{experiment}", header, rows,
+                        f"Experiment {experiment}: test top-1 accuracy at the last epoch and the best epoch, mean ± "
+                        "std over seeds (n runs); gap = method mean - fp mean; activation compression of the "
+                        "first training step and training throughput, means over the same runs (runs that "
+                        "shared the CPU with others are slowed alike, so compare ratios, not absolute speeds). "
+                        "Each row should come from one clean commit (listed per row). Paper figures appear beside "
+                        f"runs of the paper's own recipes (experiments paper_*).{warning}")
     acc = paper.get("accuracy_top1_percent", {})
     if acc:
         cols = acc["columns"]

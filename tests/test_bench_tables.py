@@ -119,15 +119,16 @@ def _fixture(root: Path):
                        act_mem_fp_bytes=100e6, act_compression=100e6 / 9e6, peak_mem_bytes=2e9,
                        peak_mem_growth_bytes=1e9, throughput_img_s=speed)
             (folder / f"resnet50_b8_{method}.json").write_text(json.dumps(rec))
-    for exp, method, seed, top1, sha in [("cifar10_resnet20_cpu", "fp", 0, 60.0, "abcdef12"),
-                                         ("cifar10_resnet20_cpu", "fp", 1, 62.0, "abcdef12"),
-                                         ("cifar10_resnet20_cpu", "division", 0, 59.0, "99999999"),
-                                         ("check", "fp", 0, 11.0, "abcdef12")]:
+    for exp, method, seed, top1, sha, speed in [("cifar10_resnet20_cpu", "fp", 0, 60.0, "abcdef12", 200.0),
+                                                ("cifar10_resnet20_cpu", "fp", 1, 62.0, "abcdef99", 100.0),
+                                                ("cifar10_resnet20_cpu", "division", 0, 59.0, "99999999", 120.0),
+                                                ("check", "fp", 0, 11.0, "abcdef12", 1.0)]:
         d = root / "runs" / exp / f"{method}-{seed}"
         d.mkdir(parents=True)
         (d / "result.json").write_text(json.dumps({
             "status": "ok", "experiment": exp, "data": "cifar10", "model": "resnet20", "method": method,
-            "seed": seed, "top1": top1, "epochs": [{"epoch": 1, "top1": top1}], "device": "cpu: test",
+            "seed": seed, "top1": top1, "best_top1": top1 + 1, "epochs": [{"epoch": 1, "top1": top1}],
+            "act_compression": 1.0 if method == "fp" else 9.5, "throughput_img_s": speed, "device": "cpu: test",
             "git_sha": sha, "git_dirty": False}))
 
 
@@ -145,9 +146,11 @@ def test_tables_from_fixtures(tmp_path):
     assert "| cpu_repeat | resnet50 | 8 | division | none | 3.00 | 3.00-4.50 (3) | 0.75 |" in \
         (tables / "throughput.md").read_text()
     acc = (tables / "accuracy_cifar10_resnet20_cpu.md").read_text()
-    assert "61.00 ± 1.41" in acc and "| 2 |" in acc and "-2.00" in acc
+    # fp: last 61.00 ± 1.41, best 62.00 ± 1.41 (n 2); division from one commit, 120 img/s = 0.80 of fp's 150
+    assert "| fp | 61.00 ± 1.41 | 62.00 ± 1.41 | 2 | +0.00 | 1.00x | 150.0 (1.00) | abcdef12, abcdef99 |" in acc
+    assert "| division | 59.00 ± 0.00 | 60.00 ± 0.00 | 1 | -2.00 | 9.50x | 120.0 (0.80) | 99999999 |" in acc
     assert "11.00" not in acc and not (tables / "accuracy_check.md").exists()  # smoke runs stay out
-    assert "99999999, abcdef12" in acc and "WARNING: rows come from 2 commits" in acc
+    assert "WARNING: rows mixing commits or uncommitted code: fp." in acc
     assert "Commit(s): abcdef12." in mem and "WARNING" not in mem
     assert "| cpu | resnet50 |" not in (tables / "throughput.md").read_text()  # single-run suites: memory only
     for name in ("memory_cpu.csv", "memory_cpu.tex", "throughput.md", "throughput.png", "memory_cpu.png",
