@@ -333,7 +333,7 @@ def analyse_checkpoint(args, out: Path, tag: str):
     report = {"model": args.model, "data": "synthetic" if args.synthetic else "cifar10 (JPEG copy)",
               "batch": int(batches[0][1].numel()), "batches": len(batches), "draws": args.draws,
               "checkpoint": results.relative_to_root(args.checkpoint), "json": json_path.name,
-              "command": "python scripts/analyze_frequency.py " + " ".join(sys.argv[1:]),
+              "command": results.command_line("scripts/analyze_frequency.py", sys.argv[1:]),
               **results.provenance(torch.device("cpu")), "stages": {stage: _aggregate(per_batch)}}
     results.write_json(json_path, report)
     print(write_outputs(out, tag, report))

@@ -44,7 +44,7 @@ def main(argv=None):
               "example_held_bytes": report.held_bytes, "example_fp_bytes": report.fp_bytes,
               "example_ratio": report.ratio, "runner_act_mem_bytes": runner["act_mem_bytes"],
               "runner_act_mem_fp_bytes": runner["act_mem_fp_bytes"], "runner_ratio": runner["act_compression"],
-              "command": "python scripts/api_example.py " + " ".join(argv or sys.argv[1:]),
+              "command": results.command_line("scripts/api_example.py", argv or sys.argv[1:]),
               **results.provenance(torch.device("cpu"))}
     results.write_json(Path(args.out), record)
     print(f"loss first 5 steps {record['first5_mean_loss']:.3f} -> last 5 {record['last5_mean_loss']:.3f}; "

@@ -65,7 +65,7 @@ def main(argv=None):
     report = {"status": "ok", "model": args.model, "baseline": base, "batches": args.batches,
               "batch_size": int(batches[0][1].numel()), "draws": args.draws, "synthetic": args.synthetic,
               "checkpoint": results.relative_to_root(args.checkpoint) if args.checkpoint else None,
-              "command": "python scripts/compare_gradient_error.py " + " ".join(argv or sys.argv[1:]),
+              "command": results.command_line("scripts/compare_gradient_error.py", argv or sys.argv[1:]),
               "methods": rows, **results.provenance(torch.device("cpu"))}
     out = Path(args.out)
     results.write_json(out / f"gradient_error_{args.tag}.json", report)

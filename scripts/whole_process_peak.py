@@ -31,7 +31,7 @@ def run_method(model: str, method: str, batch: int, steps: int) -> dict:
             log.seek(0)
             raise SystemExit(f"{method}: train.py failed:\n{log.read()[-2000:]}")
         run = json.loads(next(Path(tmp).rglob("result.json")).read_text())
-    return {"method": method, "command": "python train.py " + " ".join(args),
+    return {"method": method, "command": results.command_line("train.py", args),
             "process_peak_rss_bytes": usage.ru_maxrss * 1024,
             "run": {k: run.get(k) for k in ("act_mem_bytes", "act_mem_fp_bytes", "act_compression", "peak_mem_bytes",
                                             "peak_mem_how", "codec_backends", "input_size")}}

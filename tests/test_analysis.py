@@ -18,3 +18,13 @@ def test_analysis_script_on_synthetic_data(tmp_path):
     assert stage["gradient"]["division@4"]["mean_rel_error"] < stage["gradient"]["division@1"]["mean_rel_error"]
     for name in ("frequency_tiny.md", "gradient_error_vs_bits_tiny.png", "lfc_energy_share_tiny.png"):
         assert (tmp_path / "analysis" / name).exists()
+
+
+def test_recorded_command_holds_no_absolute_path():
+    """Result files keep the command that made them with paths relative to the project root, never the
+    machine's directory layout."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from division import results
+    out = ROOT / "results" / "analysis"
+    cmd = results.command_line("scripts/x.py", ["--out", str(out), f"--data-root={ROOT.parent / 'shared'}", "--tag", "t"])
+    assert cmd == "python scripts/x.py --out results/analysis --data-root=../shared --tag t"

@@ -94,6 +94,17 @@ def portable(obj):
     return obj
 
 
+def command_line(script: str, argv) -> str:
+    """The command that made a result, for the file: absolute paths among the arguments (``/x`` or
+    ``--flag=/x``) stored as ``portable`` stores them."""
+    def one(arg: str) -> str:
+        flag, eq, value = arg.partition("=")
+        if eq and os.path.isabs(value):
+            return f"{flag}={portable(value)}"
+        return portable(arg)
+    return " ".join(["python", script, *map(one, argv)])
+
+
 def relative_to_root(path) -> str:
     """A path as stored in committed results: relative to the project root when inside it."""
     p = Path(path)
