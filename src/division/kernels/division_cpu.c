@@ -8,6 +8,8 @@
 #include <string.h>
 
 #include "bits.h"
+#include "narrow.h"
+#include "split.h"
 
 /* Means of the blocks of one block row (``rows`` x w) -> bf16 (lm, wb values); ``colsum`` is left holding
  * the stored means upsampled along the row. */
@@ -55,10 +57,6 @@ static void upsample_map(const uint16_t *restrict lm, int64_t h, int64_t w, int6
         for (int64_t r = h0; r < h1; r++) memcpy(up + r * w, row, (size_t)w * sizeof(float));
     }
 }
-
-#include "narrow.h"
-
-#include "split.h"
 
 /* Returns the number of maps holding a NaN or Inf (in x, its LFC or its HFC range); the caller then uses the
  * reference path, which keeps such values exactly. */
