@@ -30,6 +30,15 @@ static void finish_split_ranges(const float lo[2], const float hi[2], float leve
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define SPLIT_IN_REGISTERS 1
+/* Elements e .. e + 15 of a map of n (fewer at its end): the lanes in the map (``live``) and, returned, those
+ * whose mask bit is set. */
+static inline __mmask16 side_lanes(const uint8_t *restrict split, int64_t nbytes, int64_t base, int64_t e, int64_t n,
+                                   __mmask16 *live) {
+    const int64_t k = n - e < 16 ? n - e : 16;
+    *live = (__mmask16)((1u << k) - 1u);
+    return (__mmask16)bits16(split, nbytes, base + e) & *live;
+}
+
 /* Split maps with the mask read 16 bits at a time into lane masks: no byte per element, any bit offset. */
 static void split_ranges(const float *restrict v, int64_t n, const uint8_t *restrict split, int64_t nbytes,
                          int64_t base, uint8_t *restrict sbuf, float levels, int stat_bf16, float *minimum,
@@ -38,9 +47,8 @@ static void split_ranges(const float *restrict v, int64_t n, const uint8_t *rest
     __m512 mn0 = _mm512_set1_ps(INFINITY), mx0 = _mm512_set1_ps(-INFINITY);
     __m512 mn1 = mn0, mx1 = mx0;
     for (int64_t e = 0; e < n; e += 16) {
-        const int64_t k = n - e < 16 ? n - e : 16;
-        const __mmask16 live = (__mmask16)((1u << k) - 1u);
-        const __mmask16 s = (__mmask16)bits16(split, nbytes, base + e) & live, r = live & ~s;
+        __mmask16 live;
+        const __mmask16 s = side_lanes(split, nbytes, base, e, n, &live), r = live & ~s;
         const __m512 a = _mm512_maskz_loadu_ps(live, v + e);
         mn0 = _mm512_mask_min_ps(mn0, r, mn0, a);
         mx0 = _mm512_mask_max_ps(mx0, r, mx0, a);
@@ -62,9 +70,8 @@ static void quantize_split(const float *restrict v, int64_t n, const uint8_t *re
     const __m512i vtop = _mm512_set1_epi32(top);
     if (stochastic) rounding_draws(key, n, rnd);
     for (int64_t e = 0; e < n; e += 16) {
-        const int64_t k = n - e < 16 ? n - e : 16;
-        const __mmask16 live = (__mmask16)((1u << k) - 1u);
-        const __mmask16 s = (__mmask16)bits16(split, nbytes, base + e) & live;
+        __mmask16 live;
+        const __mmask16 s = side_lanes(split, nbytes, base, e, n, &live);
         __m512 u = _mm512_set1_ps(0.5f);
         if (stochastic) {
             const __m512 draw = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, rnd + e)));
@@ -128,9 +135,8 @@ static void split_decode(const uint8_t *restrict codes, const float *restrict up
     const __m512 mn0 = _mm512_set1_ps(minimum[0]), mn1 = _mm512_set1_ps(minimum[1]);
     const __m512 sc0 = _mm512_set1_ps(scale[0]), sc1 = _mm512_set1_ps(scale[1]);
     for (int64_t e = 0; e < n; e += 16) {
-        const int64_t k = n - e < 16 ? n - e : 16;
-        const __mmask16 live = (__mmask16)((1u << k) - 1u);
-        const __mmask16 s = (__mmask16)bits16(split, nbytes, base + e) & live;
+        __mmask16 live;
+        const __mmask16 s = side_lanes(split, nbytes, base, e, n, &live);
         const __m512 code = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live, codes + e)));
         const __m512 lo = up ? _mm512_maskz_loadu_ps(live, up + e) : _mm512_set1_ps(offset);
         _mm512_mask_storeu_ps(out + e, live, _mm512_add_ps(_mm512_add_ps(lo, _mm512_mask_blend_ps(s, mn0, mn1)),
