@@ -250,6 +250,18 @@ def _mean_of(records, key):
     return statistics.mean(values) if values else None
 
 
+def _run_speed(run):
+    """A run's training throughput: the median over its epochs (the last epoch alone swings with whatever else
+    shared the machine at that moment), or the result's figure when it has no per-epoch record."""
+    speeds = [e["throughput_img_s"] for e in run.get("epochs") or [] if e.get("throughput_img_s")]
+    return statistics.median(speeds) if speeds else run.get("throughput_img_s")
+
+
+def _mean_speed(records):
+    values = [s for s in map(_run_speed, records) if s is not None]
+    return statistics.mean(values) if values else None
+
+
 def accuracy_tables(runs, paper, out: Path, only=None):
     texts = []
     for exp in experiments_of(runs):
@@ -275,7 +287,7 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
     fp = {}
     for (exp, data, model, method), recs in groups.items():
         if method == "fp":
-            fp[(exp, data, model)] = (statistics.mean(r["top1"] for r in recs), _mean_of(recs, "throughput_img_s"))
+            fp[(exp, data, model)] = (statistics.mean(r["top1"] for r in recs), _mean_speed(recs))
     mixed = []
     for (exp, data, model, method), recs in sorted(groups.items(), key=lambda kv: (kv[0][:3], _rank(kv[0][3]))):
         mean, std = _mean_std([r["top1"] for r in recs])
@@ -283,7 +295,7 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
         fp_top1, fp_speed = fp.get((exp, data, model), (None, None))
         gap = "" if fp_top1 is None else f"{mean - fp_top1:+.2f}"
         compression = _mean_of(recs, "act_compression")
-        speed = _mean_of(recs, "throughput_img_s")
+        speed = _mean_speed(recs)
         label, warning = commits(recs)
         if warning:
             mixed.append(method)
@@ -303,8 +315,9 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
     text = _write_table(out / f"accuracy_{experiment}", header, rows,
                         f"Experiment {experiment}: test top-1 accuracy at the last epoch and the best epoch, mean ± "
                         "std over seeds (n runs); gap = method mean - fp mean; activation compression of the "
-                        "first training step and training throughput, means over the same runs (runs that "
-                        "shared the CPU with others are slowed alike, so compare ratios, not absolute speeds). "
+                        "first training step and training throughput (per run the median over its epochs), means over "
+                        "the same runs; runs that shared the CPU with other work are slowed by it, so these "
+                        "speeds are indicative only: the paired benchmarks (throughput_paired) measure speed. "
                         "Each row should come from one clean commit (listed per row). Paper figures appear beside "
                         f"runs of the paper's own recipes (experiments paper_*).{warning}")
     acc = paper.get("accuracy_top1_percent", {})

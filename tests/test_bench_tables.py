@@ -127,8 +127,9 @@ def _fixture(root: Path):
         d.mkdir(parents=True)
         (d / "result.json").write_text(json.dumps({
             "status": "ok", "experiment": exp, "data": "cifar10", "model": "resnet20", "method": method,
-            "seed": seed, "top1": top1, "best_top1": top1 + 1, "epochs": [{"epoch": 1, "top1": top1}],
-            "act_compression": 1.0 if method == "fp" else 9.5, "throughput_img_s": speed, "device": "cpu: test",
+            "seed": seed, "top1": top1, "best_top1": top1 + 1,
+            "epochs": [{"epoch": e + 1, "top1": top1, "throughput_img_s": s} for e, s in enumerate((speed, speed, 5 * speed))],
+            "act_compression": 1.0 if method == "fp" else 9.5, "throughput_img_s": 5 * speed, "device": "cpu: test",
             "git_sha": sha, "git_dirty": False}))
 
 
@@ -147,6 +148,7 @@ def test_tables_from_fixtures(tmp_path):
         (tables / "throughput.md").read_text()
     acc = (tables / "accuracy_cifar10_resnet20_cpu.md").read_text()
     # fp: last 61.00 ± 1.41, best 62.00 ± 1.41 (n 2); division from one commit, 120 img/s = 0.80 of fp's 150
+    # (speeds: per run the median over epochs, not the last epoch's figure)
     assert "| fp | 61.00 ± 1.41 | 62.00 ± 1.41 | 2 | +0.00 | 1.00x | 150.0 (1.00) | abcdef12, abcdef99 |" in acc
     assert "| division | 59.00 ± 0.00 | 60.00 ± 0.00 | 1 | -2.00 | 9.50x | 120.0 (0.80) | 99999999 |" in acc
     assert "11.00" not in acc and not (tables / "accuracy_check.md").exists()  # smoke runs stay out
