@@ -6,7 +6,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from division import kernels
+from division.codecs.quant import BitMask
 from division.methods import build, load_config
+from division.methods.wrpn import quantize_activation, quantized_relu
 from division.models import create_model
 
 
@@ -99,3 +102,25 @@ def test_width_mult_errors_name_the_choices():
     with pytest.raises(ValueError, match="width_mult=0"):
         create_model("resnet20", width_mult=0)
     assert create_model("wrn28_10", width_mult=0.5).fc.in_features == 320
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("n", [5, 16, 37, 4096 + 9])
+def test_compiled_quantized_relu_matches_reference(n, bits):
+    """The one-pass kernel gives the reference's k-bit values bit for bit (ties round half to even, NaN kept,
+    infinities clamped) and the mask 0 < x < 1."""
+    if not kernels.available():
+        pytest.skip("no C compiler: the compiled kernels are optional")
+    torch.manual_seed(0)
+    levels = (1 << bits) - 1
+    x = torch.rand(n) * 1.6 - 0.3
+    ties = (torch.arange(n) % levels + 0.5) / levels  # exactly halfway between two levels, as fp32 gives it
+    x[::3] = ties[::3]
+    x[0], x[1], x[2], x[3], x[4] = float("nan"), -0.0, 1.0, float("inf"), float("-inf")
+    y, mask = quantized_relu(x, bits, "compiled")
+    expected = quantize_activation(x, bits)
+    assert mask.backend == "compiled"
+    assert torch.equal(y.isnan(), expected.isnan()) and torch.equal(y.nan_to_num(), expected.nan_to_num())
+    assert torch.equal(mask.packed, BitMask.encode((x > 0) & (x < 1)).packed)
+    ref_y, ref_mask = quantized_relu(x, bits, "reference")
+    assert ref_mask.backend == "reference" and torch.equal(ref_y.nan_to_num(), expected.nan_to_num())

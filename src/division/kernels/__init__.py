@@ -68,6 +68,8 @@ def _build() -> ctypes.CDLL:
     lib.maxpool_codes_backward.restype = None
     lib.relu_mask.argtypes = [p, i64, p, p, i32]
     lib.relu_mask.restype = None
+    lib.quant_relu_mask.argtypes = [p, i64, i32, p, p, i32]
+    lib.quant_relu_mask.restype = None
     lib.bn_relu_rebuild.argtypes = [p, p, p, p, i64, i64, i64, p, i32]
     lib.bn_relu_rebuild.restype = None
     return lib

@@ -1,5 +1,6 @@
 /* Bit-mask and packing kernels: codes of unaligned maps packed over the flattened tensor, and the ReLU
- * mask (pack y > 0, apply to a gradient). OpenMP over bytes. */
+ * mask (pack y > 0, apply to a gradient), WRPN's k-bit ReLU with its mask. OpenMP over bytes. */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -74,6 +75,49 @@ void relu_mask(const float *x, int64_t n, float *y, uint8_t *out, int threads) {
             const float v = x[j];
             b |= (uint8_t)((v > 0.0f) << (j - i));
             y[j] = (v > 0.0f || v != v) ? v : 0.0f;
+        }
+        out[i / 8] = b;
+    }
+}
+
+/* WRPN's k-bit activation, one element: round(clamp(x, 0, 1) * levels) / levels, rounding half to even as
+ * torch.round does; NaN stays NaN. */
+static inline float quant_level(float v, float levels) {
+    if (v != v) return v;
+    const float c = v > 0.0f ? (v < 1.0f ? v : 1.0f) : 0.0f;
+    return nearbyintf(c * levels) / levels;
+}
+
+/* WRPN's k-bit ReLU and the mask of its gradient in one pass: y = quant_level(x) and bit i of the mask =
+ * 0 < x[i] < 1 (where the clamp passes the gradient), laid out as mask_positive's. */
+void quant_relu_mask(const float *x, int64_t n, int levels, float *y, uint8_t *out, int threads) {
+    const float l = (float)levels;
+    const int64_t words = n / 16;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t k = 0; k < words; k++) {
+#ifdef __AVX512F__
+        const __m512 v = _mm512_loadu_ps(x + 16 * k), zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+        const __mmask16 in = _mm512_cmp_ps_mask(v, zero, _CMP_GT_OQ) & _mm512_cmp_ps_mask(v, one, _CMP_LT_OQ);
+        const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        const __m512 c = _mm512_min_ps(_mm512_max_ps(v, zero), one), vl = _mm512_set1_ps(l);
+        const __m512 q = _mm512_div_ps(_mm512_roundscale_ps(_mm512_mul_ps(c, vl), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), vl);
+        _mm512_storeu_ps(y + 16 * k, _mm512_mask_mov_ps(q, nan, v));
+        const uint16_t b = (uint16_t)in;
+#else
+        uint16_t b = 0;
+        for (int t = 0; t < 16; t++) {
+            const float v = x[16 * k + t];
+            b |= (uint16_t)((v > 0.0f && v < 1.0f) << t);
+            y[16 * k + t] = quant_level(v, l);
+        }
+#endif
+        memcpy(out + 2 * k, &b, 2);
+    }
+    for (int64_t i = words * 16; i < n; i += 8) {
+        uint8_t b = 0;
+        for (int64_t j = i; j < i + 8 && j < n; j++) {
+            b |= (uint8_t)((x[j] > 0.0f && x[j] < 1.0f) << (j - i));
+            y[j] = quant_level(x[j], l);
         }
         out[i / 8] = b;
     }

@@ -15,7 +15,9 @@ import torch.nn.functional as F
 
 from division import compress
 from division.codecs import FullCopy
+from division.codecs.base import _float_kernel, use_triton
 from division.codecs.groupwise import ReshapedQuantized, parallel_rows
+from division.codecs.packing import packed_nbytes
 from division.codecs.quant import BitMask, check_bits, quantize_per_row
 from division.compress.linear import _Conv2dFn, _LinearFn
 from division.compress.pointwise import _ReLUFn
@@ -36,6 +38,19 @@ def quantize_activation(x: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.round(x.clamp(0, 1) * levels) / levels
 
 
+def quantized_relu(x: torch.Tensor, bits: int, backend: str = "auto"):
+    """``(quantize_activation(x), the mask 0 < x < 1 where the clamp passes the gradient)``; one pass on the CPU
+    kernel, which rounds exactly as ``quantize_activation`` does."""
+    lib = None if use_triton(x, backend) else _float_kernel(x, backend)
+    if lib is None or not x.is_contiguous():
+        return quantize_activation(x, bits), BitMask.encode((x > 0) & (x < 1))
+    y = torch.empty_like(x)
+    packed = torch.empty(packed_nbytes(x.numel(), 1), dtype=torch.uint8)
+    lib.quant_relu_mask(x.data_ptr(), x.numel(), (1 << bits) - 1, y.data_ptr(), packed.data_ptr(),
+                        torch.get_num_threads())
+    return y, BitMask(packed, x.shape, "compiled")
+
+
 def quantize_weight(w: torch.Tensor, bits: int) -> torch.Tensor:
     levels = (1 << (bits - 1)) - 1
     return torch.round(w.clamp(-1, 1) * levels) / levels
@@ -47,8 +62,7 @@ class _QuantReLUFn(_ReLUFn):
 
     @staticmethod
     def forward(ctx, x, bits, policy, layer):
-        y = quantize_activation(x, bits)
-        ctx.mask = BitMask.encode((x > 0) & (x < 1))
+        y, ctx.mask = quantized_relu(x, bits, policy.backend)
         policy.save_mask(y, ctx.mask, "relu", layer, x.numel() * x.element_size(), policy.ids(y))
         policy.note_exact(y, ExactLevels(bits))
         return y
