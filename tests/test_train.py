@@ -74,9 +74,20 @@ def test_wandb_offline_run_holds_steps_epochs_and_memory_table(tmp_path, monkeyp
     assert summary["config"]["method"] == "division" and len(summary["per_epoch_rows"]) == 1
 
 
-def test_bad_trainer_values(tmp_path):
-    with pytest.raises(ValueError, match="valid choices"):
-        run_train(SYN + ["trainer.amp=fp8"], tmp_path)
+@pytest.mark.parametrize("override, match", [
+    ("trainer.amp=fp8", r"trainer.amp='fp8' is invalid; valid choices"),
+    ("trainer.epochs=0", r"trainer.epochs=0 is invalid; it must be >= 1"),
+    ("trainer.max_steps=-1", r"trainer.max_steps=-1 is invalid"),
+    ("optim.lr=-1", r"optim.lr=-1 is invalid; it must be > 0"),
+    ("optim.momentum=1.5", r"optim.momentum=1.5 is invalid"),
+    ("optim.weight_decay=-0.1", r"optim.weight_decay=-0.1 is invalid"),
+    ("data.subset=-5", r"data.subset=-5 is invalid"),
+])
+def test_bad_training_values_name_the_value(tmp_path, override, match):
+    """Each bad value stops the run before it trains, with a message naming the key, the value and what is valid."""
+    with pytest.raises(ValueError, match=match):
+        run_train(SYN + [override], tmp_path)
+    assert not list(Path(tmp_path).rglob("result.json"))
 
 
 def test_result_records_provenance_and_backend(tmp_path):

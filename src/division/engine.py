@@ -258,6 +258,12 @@ def evaluate(model: nn.Module, loader, state: StepState) -> dict:
 
 
 def build_optimizer(model: nn.Module, cfg, global_batch: int):
+    if not float(cfg.lr) > 0:
+        raise ValueError(f"optim.lr={cfg.lr} is invalid; it must be > 0")
+    if not float(cfg.weight_decay) >= 0:
+        raise ValueError(f"optim.weight_decay={cfg.weight_decay} is invalid; it must be >= 0")
+    if cfg.name == "sgd" and not 0 <= float(cfg.momentum) < 1:
+        raise ValueError(f"optim.momentum={cfg.momentum} is invalid; it must be in [0, 1)")
     lr = float(cfg.lr) * (global_batch / float(cfg.base_batch) if cfg.get("scale_lr", False) else 1.0)
     decay, no_decay = [], []
     for p in model.parameters():

@@ -69,6 +69,10 @@ def run(cfg: DictConfig) -> dict:
     amp = cfg.trainer.amp
     if amp not in engine.AMP_DTYPES:
         raise ValueError(f"trainer.amp={amp!r} is invalid; valid choices: {list(engine.AMP_DTYPES)}")
+    for key, least in (("epochs", 1), ("max_steps", 0)):
+        if int(cfg.trainer[key]) < least:
+            raise ValueError(f"trainer.{key}={cfg.trainer[key]} is invalid; it must be >= {least}"
+                             + (" (0 = no limit)" if key == "max_steps" else ""))
     if amp == "fp16" and device.type != "cuda":
         raise ValueError("trainer.amp=fp16 needs CUDA; on CPU use trainer.amp=bf16")
     if cfg.trainer.get("sync_bn") and info.enabled and device.type != "cuda":

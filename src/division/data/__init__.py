@@ -36,6 +36,9 @@ def build(cfg, seed: int = 0, rank: int = 0, world_size: int = 1):
     batch = int(cfg.batch_size)
     if batch < 1:
         raise ValueError(f"data.batch_size={batch} is invalid; it must be >= 1")
+    for key in ("subset", "test_subset"):
+        if int(cfg.get(key) or 0) < 0:
+            raise ValueError(f"data.{key}={cfg.get(key)} is invalid; it must be >= 0 (images per class; 0 = all)")
     eval_batch = int(cfg.get("eval_batch_size") or batch)
     if kind == "synthetic":
         return _synthetic(cfg, batch, eval_batch, seed, rank, world_size)
