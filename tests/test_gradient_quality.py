@@ -87,3 +87,25 @@ def test_relu_mask_applies_to_lfc_only_approximation():
     plain, masked = (gradient_error(model, CodecMethod(lfc_only(8), reuse_relu_mask=r), x, y, draws=1)["3.weight"]
                      for r in (False, True))
     assert masked["rel_error"] < plain["rel_error"]
+
+
+def test_vit_linear_layers_are_analysed_on_the_patch_grid():
+    """In a ViT the analysis follows every linear layer fed tokens (the grid maps DIVISION's codec sees, class
+    token left out) besides the patch convolution; an exact codec gives fp's gradients through the token path,
+    a 2-bit DIVISION codec does not."""
+    from division.analysis import CodecMethod, layer_inputs
+    from division.codecs import DivisionCodec, FullCopy
+    torch.manual_seed(0)
+    model = create_model("vit_cifar")
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    acts = layer_inputs(model, x)
+    assert acts["blocks.0.attn.qkv"].shape == (4, 192, 8, 8) and acts["blocks.5.mlp.fc2"].shape == (4, 768, 8, 8)
+    assert "patch_embed.proj" in acts and "head" not in acts and len(acts) == 1 + 6 * 4
+    exact = gradient_error(model, CodecMethod(lambda t: FullCopy(t)), x, y, draws=1)
+    assert set(exact) == {f"{n}.weight" for n in acts}
+    assert max(e["rel_error"] for e in exact.values()) < 1e-5
+    lossy = gradient_error(model, CodecMethod(DivisionCodec(8, 2).encode), x, y, draws=1)
+    assert min(lossy[f"blocks.{i}.mlp.fc1.weight"]["rel_error"] for i in range(5)) > 1e-3
+    # the head reads the class token alone, so the last block's per-token layers get gradient from that
+    # (exactly held) token only: their error is 0 even through a lossy codec
+    assert lossy["blocks.5.mlp.fc1.weight"]["rel_error"] < 1e-5 < lossy["blocks.5.attn.qkv.weight"]["rel_error"]

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from division.codecs import FullCopy
 from division.codecs.division import block_average, lfc_blocks, upsample_blocks
-from division.methods.compressed import PolicyMethod
+from division.codecs.tokens import encode_tokens, token_body
+from division.methods.compressed import PolicyMethod, token_grid
 
 
 def lfc_energy_share(x: torch.Tensor, block: int) -> float:
@@ -28,14 +29,48 @@ def relative_error(x_hat: torch.Tensor, x: torch.Tensor) -> float:
 
 
 class CodecMethod(PolicyMethod):
-    """A policy method from any ``encode(x) -> Packed`` function (4-D maps; other tensors exact)."""
+    """A policy method from any ``encode(x) -> Packed`` function: 4-D maps through it, token tensors of a ViT
+    through it on their patch grid as DIVISION holds them (prefix tokens apart, here exact, so that only the
+    codec under study differs from full precision); other tensors exact."""
 
     def __init__(self, encode: Callable, name: str = "custom", reuse_relu_mask: bool = False):
         self.encode = encode
         super().__init__(name, reuse_relu_mask=reuse_relu_mask)
 
-    def choose(self, kind, x):
-        return self.encode(x) if x.dim() == 4 else FullCopy(x)
+    def choose(self, kind, x, split=None):
+        if x.dim() == 4:
+            return self.encode(x)
+        if x.dim() == 3 and self.token_grid:
+            return encode_tokens(self, x, *self.token_grid, keep_prefix=FullCopy)
+        return FullCopy(x)
+
+
+def layer_inputs(model: nn.Module, x: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """What each analysed layer's codec sees, from one training-mode forward, keyed by module name: every
+    Conv2d's input map and, in a ViT, every Linear's token input as maps on the patch grid (B, C, gh, gw;
+    prefix tokens left out: the methods hold them apart in bf16)."""
+    grid = token_grid(model)
+    grabbed, handles = {}, []
+
+    def grab(name):
+        def hook(mod, args):
+            a = args[0].detach()
+            if isinstance(mod, nn.Conv2d):
+                grabbed.setdefault(name, a.clone())
+            elif a.dim() == 3 and grid:
+                grabbed.setdefault(name, token_body(a, *grid)[0].clone())
+        return hook
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Conv2d, nn.Linear)):
+            handles.append(m.register_forward_pre_hook(grab(name)))
+    model.train()
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return grabbed
 
 
 class Approximation(FullCopy):
@@ -61,16 +96,29 @@ def hfc_only(block: int):
     return encode
 
 
-def weight_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
+def weight_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, names=None) -> Dict[str, torch.Tensor]:
+    """Weight gradients of one step keyed by parameter name: those of ``names``, or of every Conv2d and every
+    Linear fed token tensors (B, T, C) (a ViT's: the layers whose inputs the methods compress)."""
+    token_linears, handles = set(), []
+    if names is None:
+        for n, m in model.named_modules():
+            if isinstance(m, nn.Linear):
+                handles.append(m.register_forward_pre_hook(
+                    lambda mod, args, n=n: token_linears.add(n) if args[0].dim() == 3 else None))
     model.zero_grad(set_to_none=True)
-    F.cross_entropy(model(x), y).backward()
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters()
-            if p.grad is not None and p.dim() == 4}
+    try:
+        F.cross_entropy(model(x), y).backward()
+    finally:
+        for h in handles:
+            h.remove()
+    if names is None:
+        names = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Conv2d) or n in token_linears}
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if n in names and p.grad is not None}
 
 
 def gradient_error(model: nn.Module, method, x: torch.Tensor, y: torch.Tensor, draws: int = 3,
                    reference: Dict[str, torch.Tensor] = None) -> Dict[str, dict]:
-    """Per conv layer: cosine and relative L2 error of the weight gradient against full precision, averaged
+    """Per analysed layer (see weight_grads): cosine and relative L2 error of the weight gradient against full precision, averaged
     over ``draws`` stochastic draws. The model is copied; batch norms use batch statistics as in training."""
     model = copy.deepcopy(model).train()
     if reference is None:
@@ -81,7 +129,7 @@ def gradient_error(model: nn.Module, method, x: torch.Tensor, y: torch.Tensor, d
     state = {k: v.clone() for k, v in prepared.state_dict().items()}
     for _ in range(draws):
         prepared.load_state_dict(state)  # running statistics must not drift between draws
-        grads = weight_grads(prepared, x, y)
+        grads = weight_grads(prepared, x, y, names=set(reference))
         for n, g_ref in reference.items():
             g = grads[n]
             sums[n][0] += float(F.cosine_similarity(g.flatten().double(), g_ref.flatten().double(), dim=0))

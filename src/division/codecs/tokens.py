@@ -32,16 +32,24 @@ class TokenPacked(Packed):
         return torch.cat([self.prefix.decode(), body], dim=1)
 
 
-def encode_tokens(codec, x: torch.Tensor, prefix_tokens: int = 0, grid: Optional[tuple] = None) -> Packed:
-    """(B, T, C): the last gh*gw tokens form a 2-D patch grid when T == prefix + gh*gw; the prefix (class,
-    register tokens) is held apart in bf16. Without a grid, blocks pool along the token axis."""
+def token_body(x: torch.Tensor, prefix_tokens: int = 0, grid: Optional[tuple] = None):
+    """(B, T, C) -> (the maps a codec sees, whether they lie on the patch grid): (B, C, gh, gw) of the last
+    gh*gw tokens when T == prefix + gh*gw (the prefix left out), else (B, C, T, 1), every token."""
     b, t, c = x.shape
     if grid is not None and t == prefix_tokens + grid[0] * grid[1]:
-        gh, gw = grid
-        prefix = Bf16Copy.encode(x[:, :prefix_tokens].contiguous()) if prefix_tokens else None
-        body = x[:, prefix_tokens:].transpose(1, 2).reshape(b, c, gh, gw)
+        return x[:, prefix_tokens:].transpose(1, 2).reshape(b, c, *grid), True
+    return x.transpose(1, 2).reshape(b, c, t, 1), False
+
+
+def encode_tokens(codec, x: torch.Tensor, prefix_tokens: int = 0, grid: Optional[tuple] = None,
+                  keep_prefix=Bf16Copy.encode) -> Packed:
+    """(B, T, C): the last gh*gw tokens form a 2-D patch grid when T == prefix + gh*gw; the prefix (class,
+    register tokens) is held apart by ``keep_prefix`` (in bf16). Without a grid, blocks pool along the token
+    axis."""
+    body, on_grid = token_body(x, prefix_tokens, grid)
+    if on_grid:
+        prefix = keep_prefix(x[:, :prefix_tokens].contiguous()) if prefix_tokens else None
         return TokenPacked(prefix, codec.encode(body), grid, x.shape)
-    body = x.transpose(1, 2).reshape(b, c, t, 1)
     return TokenPacked(None, codec.encode(body), None, x.shape)
 
 
