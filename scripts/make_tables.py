@@ -413,11 +413,12 @@ def paired_differences(ok, method: str, baseline: str):
 
 
 def paired_table(ok, out: Path, experiment: str):
-    """Each method against fp, and DIVISION against DIVISION without LFC, paired by seed."""
+    """Each method against fp; DIVISION against DIVISION without LFC (what the LFC buys) and division_plus
+    against DIVISION (what its savings cost), paired by seed."""
     methods = _methods(ok)
     pairs = [(m, "fp") for m in methods if m != "fp"]
-    if "division" in methods and "division_nolfc" in methods:
-        pairs.append(("division", "division_nolfc"))
+    pairs += [(a, b) for a, b in (("division", "division_nolfc"), ("division_plus", "division"))
+              if a in methods and b in methods]
     header = ["comparison", "seeds", "per-seed difference (points)", "mean", "95 % CI (t)", "reading"]
     rows = []
     for method, base in pairs:
