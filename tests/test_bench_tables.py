@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import ROOT
 from division.maxbatch import find_max_batch, parse_bytes
@@ -196,3 +197,18 @@ def test_paired_table_answers_the_lfc_and_division_plus_questions(tmp_path):
     assert "| division_plus - division | 0,1 | +0.40, +0.60 | +0.50 |" in text
     assert "| division_nolfc - fp | 0,1 | -0.50, -0.80 |" in text
     assert "division_plus - division_nolfc" not in text
+
+
+def test_bench_model_specs_with_options(tmp_path):
+    """A model spec may carry options (WRPN's widened network): built as asked, recorded as given, its file
+    name free of ':' and '='; a malformed option names itself."""
+    from division import bench
+    assert bench.model_options("resnet20:width_mult=2") == ("resnet20", {"width_mult": 2})
+    with pytest.raises(ValueError, match="width_mult"):
+        bench.model_options("resnet20:width_mult")
+    model, _, _ = bench._prepared("resnet20:width_mult=2", {"name": "fp"}, 32, 10, torch.device("cpu"))
+    assert model.conv1.out_channels == 32
+    bench.main(["--paired", "--models", "resnet20:width_mult=2", "--batches", "2", "--methods", "fp,wrpn",
+                "--image-size", "32", "--num-classes", "10", "--steps", "1", "--warmup", "0", "--out", str(tmp_path)])
+    rec = json.loads((tmp_path / "paired_resnet20_width_mult2_b2.json").read_text())
+    assert rec["model"] == "resnet20:width_mult=2" and [m["method"] for m in rec["methods"]] == ["fp", "wrpn"]

@@ -26,10 +26,31 @@ def _device(device_name: str) -> torch.device:
     return torch.device(device_name)
 
 
-def _prepared(model_name: str, method_cfg: dict, image_size: int, num_classes: int, device: torch.device):
+def model_options(spec: str):
+    """``name`` or ``name:key=value,...`` (e.g. ``resnet20:width_mult=2``, WRPN's widening) -> (name, options)."""
+    from omegaconf import OmegaConf
+    name, _, opts = spec.partition(":")
+    items = [item for item in opts.split(",") if item]
+    bad = [item for item in items if "=" not in item]
+    if bad:
+        raise ValueError(f"model option(s) {bad} are not key=value (in {spec!r})")
+    return name, OmegaConf.to_container(OmegaConf.from_dotlist(items))
+
+
+def _safe(spec: str) -> str:
+    """A model or method spec as a file-name part."""
+    return spec.replace(":", "_").replace(",", "_").replace("=", "")
+
+
+def _stem(spec: str, image_size: int) -> str:
+    return stem_of(model_options(spec)[0], "auto", image_size)
+
+
+def _prepared(model_spec: str, method_cfg: dict, image_size: int, num_classes: int, device: torch.device):
     """(model, method, optimizer) as every benchmark row starts them: seed 0, the method installed, SGD."""
     torch.manual_seed(0)
-    model = create_model(model_name, num_classes=num_classes, stem="auto", image_size=image_size).to(device)
+    name, options = model_options(model_spec)
+    model = create_model(name, num_classes=num_classes, stem="auto", image_size=image_size, **options).to(device)
     method = methods.build(method_cfg)
     method.prepare(model)
     model.train()
@@ -115,8 +136,7 @@ def measure_paired(model_name: str, batch: int, method_specs, image_size: int, s
 
 
 def out_path(out_dir: Path, model: str, batch: int, method: str, amp: str) -> Path:
-    safe = method.replace(":", "_").replace(",", "_").replace("=", "")
-    return out_dir / f"{model}_b{batch}_{safe}{'' if amp == 'none' else '_' + amp}.json"
+    return out_dir / f"{_safe(model)}_b{batch}_{_safe(method)}{'' if amp == 'none' else '_' + amp}.json"
 
 
 def run_one_subprocess(args, model, batch, method, path: Path) -> dict:
@@ -141,13 +161,14 @@ def run_one_subprocess(args, model, batch, method, path: Path) -> dict:
 
 def _identity(args, model, batch, method):
     return {"model": model, "batch_size": batch, "method": method, "image_size": args.image_size,
-            "stem": stem_of(model, "auto", args.image_size), "amp": args.amp, "steps": args.steps, "warmup": args.warmup, "suite": args.suite}
+            "stem": _stem(model, args.image_size), "amp": args.amp, "steps": args.steps, "warmup": args.warmup, "suite": args.suite}
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="a suite file from configs/bench/ (flags given after it win)")
-    p.add_argument("--models", default="resnet50")
+    p.add_argument("--models", default="resnet50", help="comma-separated; with options, ';'-separated specs "
+                                                         "such as resnet20:width_mult=2")
     p.add_argument("--batches", default="4,8")
     p.add_argument("--methods", default="fp,checkpoint,swap,blpa,actnn,division")
     p.add_argument("--image-size", type=int, default=224)
@@ -191,7 +212,7 @@ def parse(argv=None):
 
 def main(argv=None):
     args = parse(argv)
-    models = args.models.split(",")
+    models = args.models.split(";" if ":" in args.models else ",")
     batches = [int(b) for b in args.batches.split(",")]
     method_specs = [m for m in args.methods.split(";" if ":" in args.methods else ",")]
     if args.single:
@@ -230,7 +251,7 @@ def main_paired(args, models, batches, method_specs, base_dir: Path):
         torch.set_num_threads(args.threads)
     for model in models:
         for batch in batches:
-            path = base_dir / f"paired_{model}_b{batch}{'' if args.amp == 'none' else '_' + args.amp}.json"
+            path = base_dir / f"paired_{_safe(model)}_b{batch}{'' if args.amp == 'none' else '_' + args.amp}.json"
             if path.exists() and not args.force:
                 print(f"skip {results.relative_to_root(path)} (exists)")
                 continue
@@ -238,7 +259,7 @@ def main_paired(args, models, batches, method_specs, base_dir: Path):
                                  args.amp, args.num_classes)
             rec.update({"model": model, "batch_size": batch, "image_size": args.image_size, "amp": args.amp,
                         "steps": args.steps, "warmup": args.warmup, "suite": args.suite,
-                        "stem": stem_of(model, "auto", args.image_size)})
+                        "stem": _stem(model, args.image_size)})
             results.write_json(path, rec)
             for row in rec["methods"]:
                 print(f"{model:16s} b{batch:<4d} {row['method']:14s} {row['throughput_img_s']:8.2f} img/s  "
