@@ -79,9 +79,10 @@ def analyse(model, x, y, draws, seed):
             codec = DivisionCodec(block, 2)
             variants[f"division@2,B={block}"] = (codec.encode, bits_per_element(codec, acts))
     reference = weight_grads(model.train(), x, y)
+    has_relu = any(isinstance(m, torch.nn.ReLU) for m in model.modules())  # else reuse_relu_mask changes nothing
     grads = {}
     for vname, (encode, bpe) in variants.items():
-        for reuse in ((False,) if ",B=" in vname else (False, True)):
+        for reuse in ((False,) if ",B=" in vname or not has_relu else (False, True)):
             torch.manual_seed(seed)
             errs = gradient_error(model, CodecMethod(encode, vname, reuse_relu_mask=reuse), x, y, draws, reference)
             grads[f"{vname}{'+relu_mask' if reuse else ''}"] = {
@@ -146,11 +147,15 @@ def plots(out, tag, report):
         for family, marker in (("division", "o"), ("per_channel", "s")):
             for reuse in (False, True):
                 keys = [f"{family}@{b}{'+relu_mask' if reuse else ''}" for b in BITS]
+                if any(k not in g for k in keys):  # a model without ReLU: no mask variants
+                    continue
                 pts = [(g[k]["bits_per_element"], g[k]["mean_rel_error"]) for k in keys]
                 ax.plot(*zip(*pts), marker=marker, linestyle="--" if reuse else "-",
                         label=f"{family}{' + relu mask' if reuse else ''}")
         for k, marker in (("lfc_only", "^"), ("hfc_only", "v")):
             for suffix, face in (("", None), ("+relu_mask", "none")):
+                if k + suffix not in g:
+                    continue
                 point = g[k + suffix]
                 ax.scatter([point["bits_per_element"]], [point["mean_rel_error"]], marker=marker,
                            facecolors=face, edgecolors="C3" if k == "lfc_only" else "C4",
@@ -218,7 +223,8 @@ def summary(report) -> str:
                   f"plain per-channel quantizer ({g['division@2']['bits_per_element']:.2f} vs "
                   f"{g['per_channel@2']['bits_per_element']:.2f} bits/element); backward from the LFC alone gives "
                   f"{g['lfc_only']['mean_rel_error']:.4f}, from the HFC alone {g['hfc_only']['mean_rel_error']:.4f}. "
-                  f"With the ReLU mask reused, DIVISION@2 gives {g['division@2+relu_mask']['mean_rel_error']:.4f}."]
+                  + (f"With the ReLU mask reused, DIVISION@2 gives {g['division@2+relu_mask']['mean_rel_error']:.4f}."
+                     if "division@2+relu_mask" in g else "The model has no ReLU: reuse_relu_mask does not apply.")]
         if "mean_rel_error_per_batch" in g["division@2"]:
             for bits in BITS:
                 a, b = g[f"division@{bits}"], g[f"per_channel@{bits}"]

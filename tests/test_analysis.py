@@ -28,3 +28,26 @@ def test_recorded_command_holds_no_absolute_path():
     out = ROOT / "results" / "analysis"
     cmd = results.command_line("scripts/x.py", ["--out", str(out), f"--data-root={ROOT.parent / 'shared'}", "--tag", "t"])
     assert cmd == "python scripts/x.py --out results/analysis --data-root=../shared --tag t"
+
+
+def test_analysis_of_a_vit_checkpoint_on_synthetic_data(tmp_path):
+    """The trained-network path on a ViT: token layers analysed, no ReLU-mask variants (a ViT has no ReLU),
+    intervals over batches, summary and plots written."""
+    import torch
+    sys.path.insert(0, str(ROOT / "src"))
+    from division.models import create_model
+    torch.manual_seed(0)
+    ckpt = tmp_path / "checkpoint.pt"
+    torch.save({"model": create_model("vit_cifar").state_dict(), "epoch": 0}, ckpt)
+    proc = subprocess.run([sys.executable, "scripts/analyze_frequency.py", "--synthetic", "--model", "vit_cifar",
+                           "--checkpoint", str(ckpt), "--batches", "2", "--batch", "10", "--draws", "1",
+                           "--out", str(tmp_path / "analysis"), "--tag", "vit"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "analysis" / "frequency_vit.json").read_text())
+    stage = next(iter(report["stages"].values()))
+    assert "blocks.0.attn.qkv" in stage["energy_share"] and "head" not in stage["energy_share"]
+    assert not any(k.endswith("+relu_mask") for k in stage["gradient"])
+    assert stage["gradient"]["division@2"]["mean_rel_error_ci95"] is not None
+    assert "reuse_relu_mask does not apply" in (tmp_path / "analysis" / "frequency_vit.md").read_text()
+    assert (tmp_path / "analysis" / "gradient_error_vs_bits_vit.png").exists()
