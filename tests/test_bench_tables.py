@@ -208,6 +208,7 @@ def test_bench_model_specs_with_options(tmp_path):
         bench.model_options("resnet20:width_mult")
     model, _, _ = bench._prepared("resnet20:width_mult=2", {"name": "fp"}, 32, 10, torch.device("cpu"))
     assert model.conv1.out_channels == 32
+    assert bench._stem("resnet50:stem=cifar", 224) == "cifar" and bench._stem("resnet50", 224) == "imagenet"
     bench.main(["--paired", "--models", "resnet20:width_mult=2", "--batches", "2", "--methods", "fp,wrpn",
                 "--image-size", "32", "--num-classes", "10", "--steps", "1", "--warmup", "0", "--out", str(tmp_path)])
     rec = json.loads((tmp_path / "paired_resnet20_width_mult2_b2.json").read_text())

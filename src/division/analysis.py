@@ -118,8 +118,9 @@ def weight_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, names=None)
 
 def gradient_error(model: nn.Module, method, x: torch.Tensor, y: torch.Tensor, draws: int = 3,
                    reference: Dict[str, torch.Tensor] = None) -> Dict[str, dict]:
-    """Per analysed layer (see weight_grads): cosine and relative L2 error of the weight gradient against full precision, averaged
-    over ``draws`` stochastic draws. The model is copied; batch norms use batch statistics as in training."""
+    """Per analysed layer (see weight_grads): cosine and relative L2 error of the weight gradient against full
+    precision, averaged over ``draws`` stochastic draws. The model is copied; batch norms use batch statistics
+    as in training."""
     model = copy.deepcopy(model).train()
     if reference is None:
         reference = weight_grads(model, x, y)

@@ -43,14 +43,16 @@ def _safe(spec: str) -> str:
 
 
 def _stem(spec: str, image_size: int) -> str:
-    return stem_of(model_options(spec)[0], "auto", image_size)
+    name, options = model_options(spec)
+    return stem_of(name, options.get("stem", "auto"), image_size)
 
 
 def _prepared(model_spec: str, method_cfg: dict, image_size: int, num_classes: int, device: torch.device):
     """(model, method, optimizer) as every benchmark row starts them: seed 0, the method installed, SGD."""
     torch.manual_seed(0)
     name, options = model_options(model_spec)
-    model = create_model(name, num_classes=num_classes, stem="auto", image_size=image_size, **options).to(device)
+    model = create_model(name, **{"num_classes": num_classes, "stem": "auto", "image_size": image_size, **options})
+    model = model.to(device)
     method = methods.build(method_cfg)
     method.prepare(model)
     model.train()
