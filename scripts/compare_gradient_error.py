@@ -1,7 +1,8 @@
 """Weight-gradient error of methods against full precision on a trained network, over several disjoint
-class-balanced test batches: per method the mean over conv layers of the relative L2 error and cosine (each
-a mean over stochastic draws), with mean and 95 % t interval over batches, and the paired difference per
-batch against a baseline method (the first one named). A measurement, not a test.
+class-balanced test batches: per method the mean over the analysed layers (convolutions, and a ViT's linear
+layers fed tokens) of the relative L2 error and cosine (each a mean over stochastic draws), with mean and
+95 % t interval over batches, and the paired difference per batch against a baseline method (the first one
+named). A measurement, not a test.
 
     DATA_DIR=../shared/datasets python scripts/compare_gradient_error.py --model resnet20 \
         --checkpoint results/runs/cifar10_resnet20_full/<run>/checkpoint.pt --tag resnet20_full \
@@ -71,7 +72,8 @@ def main(argv=None):
     results.write_json(out / f"gradient_error_{args.tag}.json", report)
     fmt = lambda ci: "" if ci is None else f"[{ci[0]:.4f}, {ci[1]:.4f}]"  # noqa: E731
     lines = [f"Weight-gradient error vs full precision, {args.model}, {args.batches} class-balanced test batches of "
-             f"{report['batch_size']}, {args.draws} draws each; mean over conv layers; 95 % t intervals over batches.",
+             f"{report['batch_size']}, {args.draws} draws each; mean over the analysed layers (convolutions; a "
+             "ViT's token linear layers too); 95 % t intervals over batches.",
              "", f"| method | rel. L2 error | 95 % CI | cosine | minus {base} (paired) | 95 % CI |", "|---|---|---|---|---|---|"]
     for spec, r in rows.items():
         lines.append(f"| {spec} | {r['rel_error']:.4f} | {fmt(r['rel_error_ci95'])} | {r['cosine']:.4f} | "

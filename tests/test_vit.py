@@ -5,10 +5,11 @@ import torch
 import torch.nn.functional as F
 
 from conftest import run_train
-from division.codecs import DivisionCodec
+from division.analysis import CodecMethod
+from division.codecs import DivisionCodec, FullCopy
 from division.codecs.division import block_average
 from division.codecs.tokens import encode_tokens
-from division.methods import build
+from division.methods import build, load_config
 from division.models import create_model
 
 EIGHT_BITS = {"division": {"hfc_bits": 8}, "mesa": {"bits": 8}, "actnn": {"bits": 8}, "blpa": {"bits": 8}}
@@ -26,8 +27,43 @@ def test_vit_gradients_match_at_eight_bits(kind):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         if p.dim() >= 2:
             cos = F.cosine_similarity(p.grad.flatten().double(), q.grad.flatten().double(), dim=0).item()
-            threshold = 0.999 if kind in ("division", "mesa") else 0.99
-            assert cos > threshold, (name, cos)
+            assert cos > 0.999, (name, cos)
+
+
+class _QuietTokenHead(torch.nn.Module):
+    """Layer norm, then a head reading token 0 alone (a ViT's class token, tiny at initialisation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc = torch.nn.LayerNorm(64), torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.fc(self.norm(x)[:, 0])
+
+
+def _input_and_norm_grads(model, x, y):
+    x = x.clone().requires_grad_()
+    F.cross_entropy(model(x), y).backward()
+    return x.grad, model.norm.weight.grad
+
+
+@pytest.mark.parametrize("method", ["actnn", "division", "blpa", "exact"])
+def test_layer_norm_keeps_its_normalised_input(method):
+    """A quiet token beside loud ones in one codec range: layer norm's backward multiplies the error of the
+    quiet token's decoded input by 1/std; held normalised, every token is at unit scale. With the input
+    itself held, the 2-bit input-gradient error here was 80-9,800x the gradient; normalised, it stays below
+    half of it. An exact copy gives fp's gradients."""
+    torch.manual_seed(0)
+    ref = _QuietTokenHead()
+    x = torch.randn(4, 8, 64) * 3
+    x[:, 0] = torch.randn(4, 64) * 0.01
+    y = torch.randint(0, 10, (4,))
+    model = copy.deepcopy(ref)
+    (CodecMethod(FullCopy) if method == "exact" else build(load_config(method))).prepare(model)
+    torch.manual_seed(1)
+    for got, want in zip(_input_and_norm_grads(model, x, y), _input_and_norm_grads(ref, x, y)):
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < (1e-5 if method == "exact" else 0.5 if got.dim() == 3 else 1.0), err
 
 
 @pytest.mark.parametrize("prefix", [0, 1])

@@ -88,23 +88,28 @@ class _SyncBatchNorm2dFn(torch.autograd.Function):
 
 
 class _LayerNormFn(torch.autograd.Function):
+    """Layer norm keeping its normalised input x_hat = (x - mean) * rstd, compressed, instead of x: every token
+    is then at unit scale, so a codec whose ranges span several tokens (ActNN's groups) cannot swamp a quiet
+    token, whose error backward would multiply by 1 / std (at initialisation a ViT's class token has std
+    ~0.02). Backward is layer norm's own with mean 0 and rstd 1, then scaled by the true rstd."""
+
     @staticmethod
     def forward(ctx, x, shape, weight, bias, eps, policy, layer):
         if torch.is_autocast_enabled(x.device.type):
             x = x.float()  # autocast runs layer norm in fp32
         out, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
-        ctx.saved = policy.save(x, "ln", layer)
+        ctx.saved = policy.save((x - mean) * rstd, "ln", layer)
         ctx.shape = shape
-        ctx.save_for_backward(weight, bias, mean, rstd)
+        ctx.save_for_backward(weight, bias, rstd)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        weight, bias, mean, rstd = ctx.saved_tensors
-        x = ctx.saved.decode()
+        weight, bias, rstd = ctx.saved_tensors
+        xhat = ctx.saved.decode()
         ctx.saved = None
         mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[2],
                 bias is not None and ctx.needs_input_grad[3]]
-        gx, gw, gb = torch.ops.aten.native_layer_norm_backward(grad.to(x.dtype), x, ctx.shape, mean, rstd,
-                                                               weight, bias, mask)
-        return gx, None, gw, gb, None, None, None
+        gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
+            grad.to(xhat.dtype), xhat, ctx.shape, torch.zeros_like(rstd), torch.ones_like(rstd), weight, bias, mask)
+        return None if gx is None else gx * rstd, None, gw, gb, None, None, None
