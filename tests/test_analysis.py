@@ -51,3 +51,18 @@ def test_analysis_of_a_vit_checkpoint_on_synthetic_data(tmp_path):
     assert stage["gradient"]["division@2"]["mean_rel_error_ci95"] is not None
     assert "reuse_relu_mask does not apply" in (tmp_path / "analysis" / "frequency_vit.md").read_text()
     assert (tmp_path / "analysis" / "gradient_error_vs_bits_vit.png").exists()
+
+
+def test_gradient_error_comparison_smoke(tmp_path):
+    """compare_gradient_error on synthetic data: per method the mean, its interval, the paired difference and
+    the per-layer errors, the first layer (whose input is the image) in its own column."""
+    proc = subprocess.run([sys.executable, "scripts/compare_gradient_error.py", "--synthetic", "--model", "resnet20",
+                           "--batches", "2", "--per-class", "1", "--draws", "1", "--methods", "division", "actnn",
+                           "--tag", "smoke", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gradient_error_smoke.json").read_text())
+    rows = report["methods"]
+    assert len(rows["division"]["layers"]) == 19 and rows["division"]["minus_baseline"] == 0.0
+    assert "| method | rel. L2 error | 95 % CI | cosine | first layer (`conv1.weight`) |" in \
+        (tmp_path / "gradient_error_smoke.md").read_text()
