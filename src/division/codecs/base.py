@@ -103,6 +103,21 @@ class Packed(ABC):
         return unique_nbytes(self.tensors())
 
 
+class Rearranged(Packed):
+    """A quantized tensor ``q`` whose rows came from another arrangement of the activation (reshaped, padded,
+    channels moved first): ``q`` holds the bytes and names the backend; subclasses undo the arrangement."""
+
+    kind = "quantized"
+    q: Packed
+
+    @property
+    def backend(self) -> str:
+        return self.q.backend
+
+    def tensors(self):
+        return self.q.tensors()
+
+
 def _float_kernel(t: torch.Tensor, backend: str):
     """The compiled library for a CPU float32 tensor, else None (other tensors take the PyTorch path)."""
     if t.device.type != "cpu" or t.dtype != torch.float32:

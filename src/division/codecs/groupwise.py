@@ -3,25 +3,18 @@ from dataclasses import dataclass
 
 import torch
 
+from division.codecs.base import Rearranged
 from division.codecs.quant import (STAT_DTYPES, Bf16Copy, Packed, QuantizedTensor, check_backend, check_bits,
                                    check_stat_dtype, quantize_per_row)
 
 
 @dataclass(eq=False)
-class ReshapedQuantized(Packed):
+class ReshapedQuantized(Rearranged):
     """A quantized tensor whose rows came from a reshaped (and possibly padded) view of the activation."""
 
     q: QuantizedTensor
     shape: torch.Size
     samples: int = 1  # the padding (if any) sits at the end of each sample's flattened row
-    kind = "quantized"
-
-    @property
-    def backend(self) -> str:
-        return self.q.backend
-
-    def tensors(self):
-        return self.q.tensors()
 
     def decode(self) -> torch.Tensor:
         per_sample = self.shape.numel() // self.samples if self.samples else 0

@@ -5,6 +5,7 @@ from typing import Optional
 
 import torch
 
+from division.codecs.base import Rearranged
 from division.codecs.quant import Bf16Copy, Packed, check_backend, check_bits, quantize_per_row
 
 
@@ -54,18 +55,12 @@ def encode_tokens(codec, x: torch.Tensor, prefix_tokens: int = 0, grid: Optional
 
 
 @dataclass(eq=False)
-class ChannelQuantized(Packed):
+class ChannelQuantized(Rearranged):
+    """Codes with one range per channel: rows are the channels, moved first."""
+
     q: Packed
     shape: torch.Size
     channel_dim: int
-    kind = "quantized"
-
-    @property
-    def backend(self) -> str:
-        return self.q.backend
-
-    def tensors(self):
-        return self.q.tensors()
 
     def decode(self) -> torch.Tensor:
         moved = list(self.shape)
