@@ -55,20 +55,21 @@ def _write_table(stem: Path, header, rows, caption: str):
     return "\n".join(md)
 
 
-def commits(records):
-    """(label, warning) for the commits a table's rows come from: one clean commit is the norm."""
+def commits(records, per_row: bool = False):
+    """(label, warning) for the commits a table's rows come from: one clean commit is the norm (``per_row``:
+    each row names its own commit, so only uncommitted code is warned about)."""
     tags = sorted({(r.get("git_sha") or "unknown")[:8] + ("+dirty" if r.get("git_dirty") else "")
                    for r in records})
     warning = ""
-    if len(tags) > 1:
+    if len(tags) > 1 and not per_row:
         warning = f"WARNING: rows come from {len(tags)} commits"
     if any(r.get("git_dirty") for r in records) or any(not r.get("git_sha") for r in records):
         warning += ("; " if warning else "WARNING: ") + "some rows come from uncommitted code or record no commit"
     return ", ".join(tags), warning
 
 
-def _caption(text, records):
-    label, warning = commits(records)
+def _caption(text, records, per_row: bool = False):
+    label, warning = commits(records, per_row)
     if warning:
         print(f"{warning} ({label})", file=sys.stderr)
     return f"{text} Commit(s): {label}." + (f" {warning}." if warning else "")
@@ -214,18 +215,18 @@ def paired_throughput_table(paired, out: Path):
     if not ok:
         return []
     header = ["suite", "model", "batch", "method", "img/s", "relative to baseline", "quartiles", "paired steps",
-              "device"]
+              "commit", "device"]
     rows = []
     for r in sorted(ok, key=lambda r: (r.get("suite", ""), r["model"], r["batch_size"])):
         for m in r["methods"]:
             rows.append([r.get("suite", ""), r["model"], r["batch_size"], m["method"], f"{m['throughput_img_s']:.2f}",
                          f"{m['relative_to_first']:.3f} of {r['baseline']}",
                          f"{m['relative_q1']:.3f}-{m['relative_q3']:.3f}", len(m["step_times_s"]),
-                         r.get("device", "")])
+                         commits([r])[0], r.get("device", "")])
     return [_write_table(out / "throughput_paired", header, rows, _caption(
         "Training throughput relative to a baseline, paired: every method's model in one process, one timed step "
-        "each per round in alternating order, the ratio taken per round (median and quartiles over rounds).",
-        ok))]
+        "each per round in alternating order, the ratio taken per round (median and quartiles over rounds); each "
+        "file is one process at one commit (column commit).", ok, per_row=True))]
 
 
 def _rank(method):

@@ -75,6 +75,7 @@ def test_paired_throughput_one_process_and_its_table(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     table = (tmp_path / "tables" / "throughput_paired.md").read_text()
     assert f"| tiny_paired | resnet20 | 4 | division | {div['throughput_img_s']:.2f} |" in table
+    assert f"| 3 | {rec['git_sha'][:8]}" in table and "WARNING: rows come from" not in table  # a commit per row
     assert not (tmp_path / "tables" / "memory_tiny_paired.md").exists()
 
 
