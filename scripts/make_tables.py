@@ -258,9 +258,15 @@ def _run_speed(run):
     return statistics.median(speeds) if speeds else run.get("throughput_img_s")
 
 
-def _mean_speed(records):
-    values = [s for s in map(_run_speed, records) if s is not None]
-    return statistics.mean(values) if values else None
+def _threads(run):
+    return ((run.get("config") or {}).get("trainer") or {}).get("threads")
+
+
+def _mean_speed(records, threads=None):
+    """Mean speed over the runs that ran with ``threads`` CPU threads (all runs when None), and their count."""
+    values = [s for r in records if threads is None or _threads(r) == threads
+              for s in [_run_speed(r)] if s is not None]
+    return (statistics.mean(values) if values else None), len(values)
 
 
 def accuracy_tables(runs, paper, out: Path, only=None):
@@ -288,15 +294,17 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
     fp = {}
     for (exp, data, model, method), recs in groups.items():
         if method == "fp":
-            fp[(exp, data, model)] = (statistics.mean(r["top1"] for r in recs), _mean_speed(recs))
+            fp_threads = {_threads(r) for r in recs}
+            threads = fp_threads.pop() if len(fp_threads) == 1 else None
+            fp[(exp, data, model)] = (statistics.mean(r["top1"] for r in recs), _mean_speed(recs)[0], threads)
     mixed = []
     for (exp, data, model, method), recs in sorted(groups.items(), key=lambda kv: (kv[0][:3], _rank(kv[0][3]))):
         mean, std = _mean_std([r["top1"] for r in recs])
         best = _mean_std([r["best_top1"] for r in recs if r.get("best_top1") is not None])
-        fp_top1, fp_speed = fp.get((exp, data, model), (None, None))
+        fp_top1, fp_speed, fp_threads = fp.get((exp, data, model), (None, None, None))
         gap = "" if fp_top1 is None else f"{mean - fp_top1:+.2f}"
         compression = _mean_of(recs, "act_compression")
-        speed = _mean_speed(recs)
+        speed, timed = _mean_speed(recs, fp_threads)
         label, warning = commits(recs)
         if warning:
             mixed.append(method)
@@ -310,15 +318,17 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
         rows.append([exp, data, model, method, f"{mean:.2f} ± {std:.2f}",
                      "" if best[0] is None else f"{best[0]:.2f} ± {best[1]:.2f}", len(recs), gap,
                      "" if compression is None else f"{compression:.2f}x",
-                     "" if speed is None else f"{speed:.1f}" + ("" if not fp_speed else f" ({speed / fp_speed:.2f})"),
+                     "" if speed is None else f"{speed:.1f}" + ("" if not fp_speed else f" ({speed / fp_speed:.2f})")
+                     + ("" if timed == len(recs) else f" [{timed} of {len(recs)} runs]"),
                      label, pval])
     warning = f" WARNING: rows mixing commits or uncommitted code: {', '.join(mixed)}." if mixed else ""
     text = _write_table(out / f"accuracy_{experiment}", header, rows,
                         f"Experiment {experiment}: test top-1 accuracy at the last epoch and the best epoch, mean ± "
                         "std over seeds (n runs); gap = method mean - fp mean; activation compression of the "
                         "first training step and training throughput (per run the median over its epochs), means over "
-                        "the same runs; runs that shared the CPU with other work are slowed by it, so these "
-                        "speeds are indicative only: the paired benchmarks (throughput_paired) measure speed. "
+                        "the same runs, leaving out runs whose recorded thread count differs from fp's ([k of n "
+                        "runs]); runs that shared the CPU with other work are slowed by it, so these speeds are "
+                        "indicative only: the paired benchmarks (throughput_paired) measure speed. "
                         "Each row should come from one clean commit (listed per row). Paper figures appear beside "
                         f"runs of the paper's own recipes (experiments paper_*).{warning}")
     acc = paper.get("accuracy_top1_percent", {})

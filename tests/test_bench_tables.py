@@ -214,3 +214,18 @@ def test_bench_model_specs_with_options(tmp_path):
                 "--image-size", "32", "--num-classes", "10", "--steps", "1", "--warmup", "0", "--out", str(tmp_path)])
     rec = json.loads((tmp_path / "paired_resnet20_width_mult2_b2.json").read_text())
     assert rec["model"] == "resnet20:width_mult=2" and [m["method"] for m in rec["methods"]] == ["fp", "wrpn"]
+
+
+def test_accuracy_speed_only_from_runs_with_fp_thread_count(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import make_tables
+
+    def run(method, seed, speed, threads):
+        return {"status": "ok", "experiment": "exp", "data": "cifar10", "model": "resnet20", "method": method,
+                "seed": seed, "top1": 80.0, "best_top1": 80.0, "epochs": [{"epoch": 1, "top1": 80.0,
+                "throughput_img_s": speed}], "act_compression": 10.0, "throughput_img_s": speed,
+                "config": {"trainer": {"threads": threads}}, "git_sha": "abcdef12", "git_dirty": False,
+                "_path": f"exp/{method}-{seed}/result.json"}
+    ok = [run("fp", 0, 200.0, 1), run("fp", 1, 200.0, 1), run("division", 0, 150.0, 1), run("division", 1, 400.0, 2)]
+    text = make_tables.accuracy_table(ok, {}, tmp_path, "exp")[0]
+    assert "| 150.0 (0.75) [1 of 2 runs] |" in text
