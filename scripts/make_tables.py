@@ -294,8 +294,8 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
     fp = {}
     for (exp, data, model, method), recs in groups.items():
         if method == "fp":
-            fp_threads = {_threads(r) for r in recs}
-            threads = fp_threads.pop() if len(fp_threads) == 1 else None
+            counts = {_threads(r) for r in recs}
+            threads = counts.pop() if len(counts) == 1 else None
             fp[(exp, data, model)] = (statistics.mean(r["top1"] for r in recs), _mean_speed(recs)[0], threads)
     mixed = []
     for (exp, data, model, method), recs in sorted(groups.items(), key=lambda kv: (kv[0][:3], _rank(kv[0][3]))):

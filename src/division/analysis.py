@@ -45,6 +45,12 @@ class CodecMethod(PolicyMethod):
         return FullCopy(x)
 
 
+def analysed(module: nn.Module, inp: torch.Tensor) -> bool:
+    """Whether the analysis follows this layer: every Conv2d, and every Linear fed tokens (B, T, C) (a ViT's:
+    the layers whose inputs the methods compress)."""
+    return isinstance(module, nn.Conv2d) or (isinstance(module, nn.Linear) and inp.dim() == 3)
+
+
 def layer_inputs(model: nn.Module, x: torch.Tensor) -> Dict[str, torch.Tensor]:
     """What each analysed layer's codec sees, from one training-mode forward, keyed by module name: every
     Conv2d's input map and, in a ViT, every Linear's token input as maps on the patch grid (B, C, gh, gw;
@@ -55,10 +61,8 @@ def layer_inputs(model: nn.Module, x: torch.Tensor) -> Dict[str, torch.Tensor]:
     def grab(name):
         def hook(mod, args):
             a = args[0].detach()
-            if isinstance(mod, nn.Conv2d):
-                grabbed.setdefault(name, a.clone())
-            elif a.dim() == 3 and grid:
-                grabbed.setdefault(name, token_body(a, *grid)[0].clone())
+            if analysed(mod, a) and (a.dim() == 4 or grid):
+                grabbed.setdefault(name, (a if a.dim() == 4 else token_body(a, *grid)[0]).clone())
         return hook
     for name, m in model.named_modules():
         if isinstance(m, (nn.Conv2d, nn.Linear)):
@@ -97,22 +101,20 @@ def hfc_only(block: int):
 
 
 def weight_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, names=None) -> Dict[str, torch.Tensor]:
-    """Weight gradients of one step keyed by parameter name: those of ``names``, or of every Conv2d and every
-    Linear fed token tensors (B, T, C) (a ViT's: the layers whose inputs the methods compress)."""
-    token_linears, handles = set(), []
+    """Weight gradients of one step keyed by parameter name: those of ``names``, or of the ``analysed`` layers."""
+    found, handles = set(), []
     if names is None:
+        names = found
         for n, m in model.named_modules():
-            if isinstance(m, nn.Linear):
+            if isinstance(m, (nn.Conv2d, nn.Linear)):
                 handles.append(m.register_forward_pre_hook(
-                    lambda mod, args, n=n: token_linears.add(n) if args[0].dim() == 3 else None))
+                    lambda mod, args, n=n: found.add(f"{n}.weight") if analysed(mod, args[0]) else None))
     model.zero_grad(set_to_none=True)
     try:
         F.cross_entropy(model(x), y).backward()
     finally:
         for h in handles:
             h.remove()
-    if names is None:
-        names = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Conv2d) or n in token_linears}
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if n in names and p.grad is not None}
 
 

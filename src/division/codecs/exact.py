@@ -30,19 +30,31 @@ class BitMask(Packed):
         if lib is None:
             return cls.encode(y > 0)
         yc = y.contiguous()
-        packed = torch.empty(packed_nbytes(y.numel(), 1), dtype=torch.uint8)
+        packed = cls.empty_packed(y.numel())
         lib.mask_positive(yc.data_ptr(), y.numel(), packed.data_ptr(), torch.get_num_threads())
         return cls(packed, y.shape, "compiled")
+
+    @staticmethod
+    def one_pass_kernel(x: torch.Tensor, backend: str):
+        """The CPU kernel library when an activation and its mask can be made in one pass over ``x`` (a
+        contiguous float32 CPU tensor, Triton not chosen), else None: the caller takes its PyTorch path."""
+        if use_triton(x, backend) or not x.is_contiguous():
+            return None
+        return _float_kernel(x, backend)
+
+    @staticmethod
+    def empty_packed(numel: int) -> torch.Tensor:
+        return torch.empty(packed_nbytes(numel, 1), dtype=torch.uint8)
 
     @classmethod
     def relu(cls, x: torch.Tensor, inplace: bool, backend: str = "auto"):
         """``(relu(x), its mask)``; on the CPU kernel one pass makes both (in place when asked)."""
-        lib = None if use_triton(x, backend) else _float_kernel(x, backend)
-        if lib is None or not x.is_contiguous():
+        lib = cls.one_pass_kernel(x, backend)
+        if lib is None:
             y = x.clamp_min_(0) if inplace else x.clamp_min(0)
             return y, cls.positive(y, backend)
         y = x if inplace else torch.empty_like(x)
-        packed = torch.empty(packed_nbytes(x.numel(), 1), dtype=torch.uint8)
+        packed = cls.empty_packed(x.numel())
         lib.relu_mask(x.data_ptr(), x.numel(), y.data_ptr(), packed.data_ptr(), torch.get_num_threads())
         if inplace:  # written through a pointer: count the change as an in-place op would
             torch.autograd.graph.increment_version(x)

@@ -15,9 +15,7 @@ import torch.nn.functional as F
 
 from division import compress
 from division.codecs import FullCopy
-from division.codecs.base import _float_kernel, use_triton
 from division.codecs.groupwise import ReshapedQuantized, parallel_rows
-from division.codecs.packing import packed_nbytes
 from division.codecs.quant import BitMask, check_bits, quantize_per_row
 from division.compress.linear import _Conv2dFn, _LinearFn
 from division.compress.pointwise import _ReLUFn
@@ -41,11 +39,11 @@ def quantize_activation(x: torch.Tensor, bits: int) -> torch.Tensor:
 def quantized_relu(x: torch.Tensor, bits: int, backend: str = "auto"):
     """``(quantize_activation(x), the mask 0 < x < 1 where the clamp passes the gradient)``; one pass on the CPU
     kernel, which rounds exactly as ``quantize_activation`` does."""
-    lib = None if use_triton(x, backend) else _float_kernel(x, backend)
-    if lib is None or not x.is_contiguous():
+    lib = BitMask.one_pass_kernel(x, backend)
+    if lib is None:
         return quantize_activation(x, bits), BitMask.encode((x > 0) & (x < 1))
     y = torch.empty_like(x)
-    packed = torch.empty(packed_nbytes(x.numel(), 1), dtype=torch.uint8)
+    packed = BitMask.empty_packed(x.numel())
     lib.quant_relu_mask(x.data_ptr(), x.numel(), (1 << bits) - 1, y.data_ptr(), packed.data_ptr(),
                         torch.get_num_threads())
     return y, BitMask(packed, x.shape, "compiled")
