@@ -63,8 +63,7 @@ class Handle:
         self._context, self._armed = None, False
         report = self._accounting.report
         if self._fp is not None:
-            report.fp_bytes = self._fp.act_bytes
-            report.amp_weight_cast_bytes = max(report.amp_weight_cast_bytes, self._fp.amp_weight_cast_bytes)
+            report.use_fp_reference(self._fp)
         self._report = report
         return None
 

@@ -90,12 +90,15 @@ def measure(model_name: str, batch: int, method_spec: str, image_size: int, step
         engine.train_step(model, method, x, y, opt, None, state)
     times = [engine.train_step(model, method, x, y, opt, None, state).seconds for _ in range(steps)]
     median = statistics.median(times)
-    fp_bytes = fp.act_bytes if fp else None
+    if fp:
+        report.use_fp_reference(fp)
+    summary = report.summary()
     return {
-        "status": "ok", "act_mem_bytes": report.held_bytes, "act_mem_fp_bytes": fp_bytes,
-        "act_compression": fp_bytes / max(report.held_bytes, 1) if fp_bytes else None,
-        "act_mem_host_bytes": report.host_bytes,
-        "amp_weight_cast_bytes": max(report.amp_weight_cast_bytes, fp.amp_weight_cast_bytes if fp else 0),
+        "status": "ok", "act_mem_bytes": report.held_bytes, "act_mem_fp_bytes": report.fp_bytes if fp else None,
+        "act_compression": report.fp_bytes / max(report.held_bytes, 1) if fp else None,
+        **({k: summary[k] for k in ("act_mem_input_bytes", "act_mem_input_fp_bytes", "act_compression_without_input")}
+           if fp else {}),
+        "act_mem_host_bytes": report.host_bytes, "amp_weight_cast_bytes": report.amp_weight_cast_bytes,
         "act_mem_by_codec": report.by_codec(), "peak_mem_bytes": peak, "peak_mem_growth_bytes": growth,
         "peak_mem_how": meter.describe() + "; first 2 steps" + ("; glibc returning freed blocks >= 64 KiB" if live
                                                                  else ""),

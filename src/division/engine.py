@@ -181,9 +181,7 @@ def train_one_epoch(model: nn.Module, method, loader, optimizer, scheduler, stat
         out = train_step(model, method, x, y, optimizer, scheduler, state, account=account)
         n = y.shape[0]
         if account:
-            report = out.report
-            report.fp_bytes = fp.act_bytes
-            report.amp_weight_cast_bytes = max(report.amp_weight_cast_bytes, fp.amp_weight_cast_bytes)
+            report = out.report.use_fp_reference(fp)
         else:
             compute_time += out.seconds
             timed_images += n

@@ -4,7 +4,9 @@ process's peak memory.
 Two sources are merged: the records a method's policy wrote while compressing (what its autograd
 functions keep), and every tensor plain autograd saved outside them (observed through
 ``torch.autograd.graph.saved_tensors_hooks``). Parameters (and views of them, such as the ``weight.t()``
-a Linear saves) are never counted: they exist anyway. Under autocast, plain autograd also saves the
+a Linear saves) are never counted: they exist anyway. The model's input is counted (plain autograd holds
+it for the first layer) and also reported on its own (``input_*`` fields), so a ratio without it, the paper's
+measure of memory allocated by the forward, can be taken from the same step. Under autocast, plain autograd also saves the
 low-precision casts of weights; they are not activations either and are reported on their own line
 (``amp_weight_cast_bytes``), outside both the held and the full-precision totals.
 """
@@ -66,14 +68,31 @@ class MemoryReport:
     host_bytes: int = 0  # bytes moved off the device (swap)
     amp_weight_cast_bytes: int = 0  # autocast copies of weights saved by plain autograd (not activations)
     backends: Dict[str, int] = field(default_factory=dict)  # codec backend -> tensors it encoded
+    input_held_bytes: int = 0  # of held_bytes: what is held for the model's input (its codes, or itself)
+    input_fp_bytes: int = 0  # of fp_bytes: the model's input, as plain autograd holds it
 
     @property
     def ratio(self) -> float:
         return self.fp_bytes / self.held_bytes if self.held_bytes else float("inf")
 
+    @property
+    def ratio_without_input(self) -> float:
+        """Compression of what the forward itself allocates (the paper's measure): the input left out of both."""
+        held = self.held_bytes - self.input_held_bytes
+        return (self.fp_bytes - self.input_fp_bytes) / held if held else float("inf")
+
+    def use_fp_reference(self, fp) -> "MemoryReport":
+        """Take the full-precision side from a measured reference (``Method.fp_reference``) of the same step."""
+        self.fp_bytes, self.input_fp_bytes = fp.act_bytes, fp.input_bytes
+        self.amp_weight_cast_bytes = max(self.amp_weight_cast_bytes, fp.amp_weight_cast_bytes)
+        return self
+
     def summary(self) -> dict:
         return {"act_mem_bytes": self.held_bytes, "act_mem_fp_bytes": self.fp_bytes,
-                "act_compression": round(self.ratio, 4), "act_mem_host_bytes": self.host_bytes,
+                "act_compression": round(self.ratio, 4), "act_mem_input_bytes": self.input_held_bytes,
+                "act_mem_input_fp_bytes": self.input_fp_bytes,
+                "act_compression_without_input": round(self.ratio_without_input, 4),
+                "act_mem_host_bytes": self.host_bytes,
                 "amp_weight_cast_bytes": self.amp_weight_cast_bytes, "codec_backends": dict(self.backends),
                 "notes": list(self.notes)}
 
@@ -91,6 +110,9 @@ class MemoryReport:
             lines.append(f"{r['layer'][:40]:40s} {r['kind']:8s} {r['codec'][:14]:14s} {str(r['shape'])[:22]:22s} "
                          f"{r['fp_bytes']:12d} {r['held_bytes']:12d}")
         lines.append(f"total held {self.held_bytes} B, full precision {self.fp_bytes} B, ratio {self.ratio:.2f}x")
+        if self.input_fp_bytes or self.input_held_bytes:
+            lines.append(f"of which the model's input: held {self.input_held_bytes} B, full precision "
+                         f"{self.input_fp_bytes} B; ratio without it {self.ratio_without_input:.2f}x")
         if self.amp_weight_cast_bytes:
             lines.append(f"autocast weight copies (not counted above) {self.amp_weight_cast_bytes} B")
         return "\n".join(lines)
@@ -101,6 +123,26 @@ def parameter_storages(model: Optional[nn.Module]) -> frozenset:
     if model is None:
         return frozenset()
     return frozenset(storage_key(t) for t in (*model.parameters(), *model.buffers()))
+
+
+@contextlib.contextmanager
+def model_inputs(model: Optional[nn.Module]):
+    """Yields the set that the next forward of ``model`` fills with the storage keys of its tensor arguments
+    (the caller's batch, held through backward by the caller anyway)."""
+    keys: set = set()
+    if model is None:
+        yield keys
+        return
+
+    def note(module, args, kwargs):
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor):
+                keys.add(storage_key(a))
+    handle = model.register_forward_pre_hook(note, with_kwargs=True)
+    try:
+        yield keys
+    finally:
+        handle.remove()
 
 
 def is_weight_cast(t: torch.Tensor) -> bool:
@@ -161,16 +203,23 @@ class SavedTensorRecorder:
     def total_bytes(self) -> int:
         return sum(nbytes for _, nbytes, _ in self.tensors.values())
 
+    def bytes_of(self, storages) -> int:
+        """Bytes of the saved tensors on ``storages`` (storage keys, e.g. the model's input)."""
+        return sum(nbytes for key, (_, nbytes, _) in self.tensors.items() if key[:3] in storages)
+
     @contextlib.contextmanager
     def record(self):
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield self
 
 
-def build_report(policy_records, recorder: SavedTensorRecorder, notes=(), host_bytes: int = 0) -> MemoryReport:
-    """Merge a policy's records with what autograd saved elsewhere; every storage counts once."""
+def build_report(policy_records, recorder: SavedTensorRecorder, notes=(), host_bytes: int = 0,
+                 inputs=frozenset()) -> MemoryReport:
+    """Merge a policy's records with what autograd saved elsewhere; every storage counts once. ``inputs``:
+    storage keys of the model's input, whose share of both totals is reported on its own."""
     held: Dict[tuple, int] = {}
     fp: Dict[tuple, int] = {}
+    input_held = input_fp = 0
     layers = []
     backends: Dict[str, int] = {}
     anonymous = 0
@@ -186,6 +235,9 @@ def build_report(policy_records, recorder: SavedTensorRecorder, notes=(), host_b
         anonymous += 1
         fp_new = 0 if fp_key in fp else r.fp_bytes
         fp.setdefault(fp_key, r.fp_bytes)
+        if r.fp_key is not None and r.fp_key[:3] in inputs:
+            input_held += new
+            input_fp += fp_new
         layers.append({"layer": r.layer, "kind": r.kind, "codec": r.codec + (" (shared)" if r.shared else ""),
                        "shape": list(r.shape), "fp_bytes": fp_new, "held_bytes": new})
     for key, (shape, nbytes, dtype) in recorder.tensors.items():
@@ -193,6 +245,9 @@ def build_report(policy_records, recorder: SavedTensorRecorder, notes=(), host_b
         held.setdefault(key[:3], nbytes)
         new_fp = 0 if key in fp else nbytes
         fp.setdefault(key, nbytes)
+        if key[:3] in inputs:
+            input_held += new_held
+            input_fp += new_fp
         if new_held or new_fp:
             layers.append({"layer": "(autograd)", "kind": "other", "codec": f"full {dtype}", "shape": list(shape),
                            "fp_bytes": new_fp, "held_bytes": new_held})
@@ -202,7 +257,7 @@ def build_report(policy_records, recorder: SavedTensorRecorder, notes=(), host_b
             layers.append({"layer": "(autograd, moved off the device)", "kind": "other", "codec": f"host {dtype}",
                            "shape": list(shape), "fp_bytes": nbytes, "held_bytes": 0})
     return MemoryReport(sum(held.values()), sum(fp.values()), layers, list(notes), host_bytes,
-                        sum(recorder.weight_casts.values()), backends)
+                        sum(recorder.weight_casts.values()), backends, input_held, input_fp)
 
 
 # -- peak memory -----------------------------------------------------------------------------------------
@@ -314,5 +369,5 @@ class PeakMeter:
         return f"process peak resident set ({how})"
 
 
-__all__ = ["MemoryReport", "SavedTensorRecorder", "build_report", "parameter_storages", "is_weight_cast",
+__all__ = ["MemoryReport", "SavedTensorRecorder", "build_report", "parameter_storages", "model_inputs", "is_weight_cast",
            "release_freed_memory", "reuse_freed_memory", "resident_bytes", "PeakMeter"]

@@ -183,7 +183,8 @@ def run(cfg: DictConfig) -> dict:
                        "lr": optimizer.param_groups[0]["lr"]}
             result["epochs"].append(metrics)
             for key in ("top1", "throughput_img_s", "peak_mem_bytes", "act_mem_bytes", "act_mem_fp_bytes",
-                        "act_compression", "amp_weight_cast_bytes", "codec_backends", "peak_mem_how"):
+                        "act_compression", "act_mem_input_bytes", "act_mem_input_fp_bytes",
+                        "act_compression_without_input", "amp_weight_cast_bytes", "codec_backends", "peak_mem_how"):
                 if metrics.get(key) is not None:
                     result[key] = metrics[key]
             tops = [e["top1"] for e in result["epochs"] if e.get("top1") is not None]

@@ -116,3 +116,23 @@ class FullCopy(Packed):
 
     def decode(self) -> torch.Tensor:
         return self.data
+
+
+@dataclass(eq=False)
+class InputReference(FullCopy):
+    """The model's input, held by reference: the caller keeps its batch through backward anyway, so holding it
+    exactly costs no memory, where codes for it would add some. Plain autograd's version check, kept: an
+    in-place change of the input after the forward is an error, not a silently wrong gradient."""
+
+    version: int = 0
+    kind = "input"
+
+    @classmethod
+    def encode(cls, x: torch.Tensor) -> "InputReference":
+        return cls(x, x._version)
+
+    def decode(self) -> torch.Tensor:
+        if self.data._version != self.version:
+            raise RuntimeError("the model's input was modified in place after the forward that saved it (version "
+                               f"{self.version} -> {self.data._version}); keep_input holds it by reference")
+        return self.data

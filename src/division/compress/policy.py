@@ -6,6 +6,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from division.codecs.exact import InputReference
 from division.codecs.quant import BitMask, FullCopy, Packed, check_backend, storage_key
 from division.compress.fused import BnOutput, BnReluInput
 from division.memory import SaveRecord, TensorIds
@@ -26,14 +27,19 @@ class SavePolicy:
 
     ``choose(kind, x) -> Packed`` is the method's decision; ``reuse_relu_mask`` multiplies a rebuilt ReLU
     output by the ReLU's exact mask; ``fuse_bn_relu`` lets a convolution after BatchNorm -> ReLU rebuild its
-    input from the batch norm's saved input (division/compress/fused.py) instead of holding a copy.
+    input from the batch norm's saved input (division/compress/fused.py) instead of holding a copy;
+    ``keep_input`` holds the model's input (the caller's batch) by reference instead of encoding it.
     """
 
     def __init__(self, choose: Callable[[str, torch.Tensor], Packed], kinds=LAYER_KINDS,
-                 reuse_relu_mask: bool = False, backend: str = "auto", fuse_bn_relu: bool = False):
-        if not isinstance(fuse_bn_relu, bool):
-            raise ValueError(f"fuse_bn_relu={fuse_bn_relu!r} is invalid; valid choices: [True, False]")
+                 reuse_relu_mask: bool = False, backend: str = "auto", fuse_bn_relu: bool = False,
+                 keep_input: bool = False):
+        for name, value in (("fuse_bn_relu", fuse_bn_relu), ("keep_input", keep_input)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} is invalid; valid choices: [True, False]")
         self.fuse_bn_relu = fuse_bn_relu
+        self.keep_input = keep_input
+        self._inputs: List[weakref.ref] = []
         self._links: Dict[tuple, tuple] = {}
         self._pending: List["Saved"] = []
         self.choose = choose
@@ -47,7 +53,9 @@ class SavePolicy:
         self.ids = TensorIds()
         self.enabled = True
 
-    def begin_forward(self):
+    def begin_forward(self, inputs=()):
+        """A new training forward; ``inputs``: the model's arguments (noted only with ``keep_input``)."""
+        self._inputs = [weakref.ref(t) for t in inputs if isinstance(t, torch.Tensor)] if self.keep_input else []
         self._cache = {}
         self._masks = {}
         self._links = {}
@@ -60,6 +68,12 @@ class SavePolicy:
         self._cache = {}
         self._masks = {}
         self._links = {}
+        self._inputs = []
+
+    def is_input(self, x: torch.Tensor) -> bool:
+        """``x`` shares storage with an argument of this forward's model (noted with ``keep_input`` only)."""
+        key = storage_key(x)
+        return any(t is not None and storage_key(t) == key for t in (r() for r in self._inputs))
 
     def _link(self, t: torch.Tensor, value, version: int):
         self._links[self._key(t)[:4]] = (weakref.ref(t), version, value)
@@ -154,13 +168,18 @@ class SavePolicy:
         if packed is not None:
             record.codec, record.shared = packed.kind, True
         else:
-            packed = self.choose(kind, x, split) if split is not None and self._split_aware else self.choose(kind, x)
+            if self.keep_input and self.is_input(x):
+                packed = InputReference.encode(x)
+            elif split is not None and self._split_aware:
+                packed = self.choose(kind, x, split)
+            else:
+                packed = self.choose(kind, x)
             record.codec = packed.kind
             record.backend = "" if packed.backend == "none" else packed.backend
             record.held = [(storage_key(t), t.untyped_storage().nbytes()) for t in packed.tensors() if t is not None]
             self._cache[self._key(x)] = (weakref.ref(x), packed, mask)
         self.records.append(record)
-        use_mask = mask if (self.reuse_relu_mask and packed.kind != "full") else None
+        use_mask = mask if (self.reuse_relu_mask and packed.kind not in ("full", "input")) else None
         return Saved(packed, use_mask, tuple(x.shape))
 
     def save_mask(self, y: torch.Tensor, mask: BitMask, kind: str, layer: str, fp_bytes: int, fp_key=None):

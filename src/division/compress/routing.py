@@ -158,8 +158,8 @@ def install(model: nn.Module, policy: SavePolicy, routes=None) -> List[str]:
     has_attention = any(isinstance(m, nn.MultiheadAttention) or type(m).__name__.endswith("Attention")
                         for m in model.modules())
 
-    def begin(mod, args):
-        policy.begin_forward()
+    def begin(mod, args, kwargs):
+        policy.begin_forward((*args, *kwargs.values()))
         if has_attention and "attn" in policy.kinds and mod.training and torch.is_grad_enabled() and policy.enabled:
             mode = AttentionMode(policy)
             mode.__enter__()
@@ -170,7 +170,8 @@ def install(model: nn.Module, policy: SavePolicy, routes=None) -> List[str]:
             modes.pop().__exit__(None, None, None)
         policy.end_forward()
 
-    handles = [model.register_forward_pre_hook(begin), model.register_forward_hook(end, always_call=True)]
+    handles = [model.register_forward_pre_hook(begin, with_kwargs=True),
+               model.register_forward_hook(end, always_call=True)]
     object.__setattr__(model, "_division_policy", policy)
     object.__setattr__(model, "_division_handles", handles)
     object.__setattr__(model, "_division_patched", patched)

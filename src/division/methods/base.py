@@ -8,7 +8,7 @@ from typing import List, Optional
 import torch
 import torch.nn as nn
 
-from division.memory import MemoryReport, SavedTensorRecorder, build_report, parameter_storages
+from division.memory import MemoryReport, SavedTensorRecorder, build_report, model_inputs, parameter_storages
 
 
 @contextlib.contextmanager
@@ -89,12 +89,13 @@ class Method:
     @contextlib.contextmanager
     def accounting(self, model: Optional[nn.Module] = None):
         """Wrap one training forward: afterwards ``acc.report`` holds its MemoryReport. Pass the model so
-        that saved tensors sharing storage with its parameters (``weight.t()``) are not counted."""
+        that saved tensors sharing storage with its parameters (``weight.t()``) are not counted, and so that
+        the share of its input is reported on its own."""
         acc = _Accounting()
         recorder = acc.recorder = SavedTensorRecorder(self.ids(), exclude=parameter_storages(model))
-        with recorder.record():
+        with model_inputs(model) as inputs, recorder.record():
             yield acc
-        acc.report = build_report(self.policy_records(), recorder, self.notes, self.host_bytes())
+        acc.report = build_report(self.policy_records(), recorder, self.notes, self.host_bytes(), inputs)
 
     def fp_reference(self, model: nn.Module, run_forward) -> "FpReference":
         """What plain autograd would hold for the same forward, measured without holding it: the method is
@@ -104,10 +105,10 @@ class Method:
         recorder = SavedTensorRecorder(exclude=parameter_storages(model), keep=False)
         devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
         with torch.random.fork_rng(devices=devices), self.bypassed(), frozen_batchnorm_stats(model), \
-                recorder.record():
+                model_inputs(model) as inputs, recorder.record():
             out = run_forward()
         del out
-        return FpReference(recorder.total_bytes(), sum(recorder.weight_casts.values()))
+        return FpReference(recorder.total_bytes(), sum(recorder.weight_casts.values()), recorder.bytes_of(inputs))
 
     def fp_reference_bytes(self, model: nn.Module, run_forward) -> int:
         return self.fp_reference(model, run_forward).act_bytes
@@ -128,3 +129,4 @@ class _Accounting:
 class FpReference:
     act_bytes: int  # activations plain autograd saves (parameters and their views excluded)
     amp_weight_cast_bytes: int  # autocast copies of weights it also saves (not activations)
+    input_bytes: int = 0  # of act_bytes: the model's input (saved by the first layer)
