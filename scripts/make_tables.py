@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from division import results  # noqa: E402
 from division.analysis import mean_interval  # noqa: E402
 METHOD_ORDER = ["fp", "checkpoint", "sac", "compile_budget:budget=0.5", "compile_budget:budget=0.1", "swap", "blpa",
-                "mesa", "actnn", "division", "division_nolfc", "division_plus", "wrpn"]
+                "mesa", "actnn", "division", "division_nolfc", "division_keep_input", "division_plus", "wrpn"]
 PAPER_NAMES = {"fp": "vanilla", "checkpoint": "checkpoint", "blpa": "blpa", "actnn": "actnn", "division": "division"}
 GB = 1024 ** 3
 MB = 1024 ** 2
@@ -424,11 +424,12 @@ def paired_differences(ok, method: str, baseline: str):
 
 
 def paired_table(ok, out: Path, experiment: str):
-    """Each method against fp; DIVISION against DIVISION without LFC (what the LFC buys) and division_plus
-    against DIVISION (what its savings cost), paired by seed."""
+    """Each method against fp; DIVISION against DIVISION without LFC (what the LFC buys), division_plus against
+    DIVISION (what its savings cost) and DIVISION with its input held exactly against DIVISION, paired by seed."""
     methods = _methods(ok)
     pairs = [(m, "fp") for m in methods if m != "fp"]
-    pairs += [(a, b) for a, b in (("division", "division_nolfc"), ("division_plus", "division"))
+    pairs += [(a, b) for a, b in (("division", "division_nolfc"), ("division_plus", "division"),
+                                  ("division_keep_input", "division"))
               if a in methods and b in methods]
     header = ["comparison", "seeds", "per-seed difference (points)", "mean", "95 % CI (t)", "reading"]
     rows = []
