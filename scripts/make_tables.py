@@ -90,8 +90,8 @@ def memory_table(bench, paper, out: Path):
         if amp != "none":
             continue
         devices = sorted({r.get("device", "?") for r in recs if r.get("device")})
-        header = ["model", "batch", "method", "activation MiB", "fp-equivalent MiB", "ratio", "step peak growth MiB",
-                  "process peak MiB", "paper act. GB (batch)", "paper ratio"]
+        header = ["model", "batch", "method", "activation MiB", "fp-equivalent MiB", "ratio", "ratio without input",
+                  "step peak growth MiB", "process peak MiB", "paper act. GB (batch)", "paper ratio"]
         rows = []
         for model in sorted({r["model"] for r in recs}):
             paper_setting = _paper_setting(recs, model)
@@ -101,18 +101,22 @@ def memory_table(bench, paper, out: Path):
                                 and r["method"] == method), None)
                     p_act, p_ratio = _paper_memory(paper, model, method) if paper_setting else ("", "")
                     if rec is None:
-                        rows.append([model, batch, method, "missing", "", "", "", "", p_act, p_ratio])
+                        rows.append([model, batch, method, "missing", "", "", "", "", "", p_act, p_ratio])
                     elif rec["status"] != "ok":
-                        rows.append([model, batch, method, rec["status"], "", "", "", "", p_act, p_ratio])
+                        rows.append([model, batch, method, rec["status"], "", "", "", "", "", p_act, p_ratio])
                     else:
+                        without = rec.get("act_compression_without_input")
                         rows.append([model, batch, method, f"{rec['act_mem_bytes'] / MB:.1f}",
                                      f"{rec['act_mem_fp_bytes'] / MB:.1f}", f"{rec['act_compression']:.2f}x",
+                                     "not recorded" if without is None else f"{without:.2f}x",
                                      f"{rec['peak_mem_growth_bytes'] / MB:.0f}", f"{rec['peak_mem_bytes'] / MB:.0f}",
                                      p_act, p_ratio])
         how = sorted({r.get("peak_mem_how", "not recorded") for r in recs if r["status"] == "ok"})
         caption = _caption(
             f"Activation memory held for backward, suite '{suite}' ({'; '.join(devices)}). Ratio = "
-            f"full-precision-equivalent / held bytes (parameters and their views excluded). Step peak growth = "
+            f"full-precision-equivalent / held bytes (parameters and their views excluded); without input = the "
+            f"same with the model's input left out of both (the paper's measure; recorded from bf383ac on). Step "
+            f"peak growth = "
             f"peak memory of the training steps above what was in use just before them (weights, inputs); "
             f"process peak = that peak itself ({'; '.join(how)}). Paper: GPU, batch 64, activation GB and "
             f"vanilla/method.", recs)
