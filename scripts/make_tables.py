@@ -132,6 +132,7 @@ ABLATION_LABELS = {
     "division_plus:stat_dtype=fp32": "division_plus with fp32 map statistics",
     "division_plus:block_size=8": "division_plus with B=8 LFC blocks",
     "division_plus:small_map_elems=256": "division_plus plus groups for maps <= 256 elements",
+    "division_plus:keep_input=true": "division_plus with the model's input held exactly (counted in full)",
     "division:fuse_bn_relu=true": "DIVISION plus the fused BN->ReLU saving only",
 }
 
