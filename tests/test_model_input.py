@@ -110,3 +110,20 @@ def test_keep_input_is_an_option_of_every_compressing_method(name):
     assert build(load_config(f"{name}:keep_input=true")).policy.keep_input is True
     with pytest.raises(ValueError, match=r"keep_input='maybe' is invalid; valid choices: \[True, False\]"):
         build(load_config(f"{name}:keep_input=maybe"))
+
+
+@pytest.mark.parametrize("method", ["fp", "division"])
+def test_the_library_handle_reports_the_input_share_too(method):
+    """division.prepare accounts from inside the model's call (a forward pre-hook), where a hook added then
+    would not run: the input is handed to the accounting directly."""
+    import division
+    torch.manual_seed(0)
+    model = _small_net()
+    handle = division.prepare(model, method=method)
+    x = torch.randn(4, 3, 16, 16)
+    F.cross_entropy(model(x), torch.randint(0, 10, (4,))).backward()
+    report = handle.memory_report()
+    assert report.input_fp_bytes == x.numel() * 4
+    assert 0 < report.input_held_bytes <= x.numel() * 4
+    assert (report.input_held_bytes == x.numel() * 4) == (method == "fp")
+    handle.remove()

@@ -52,7 +52,7 @@ class Handle:
         finally:
             self._busy = False
         self._fp = fp
-        self._context = self.method.accounting(module)
+        self._context = self.method.accounting(module, inputs=(*args, *kwargs.values()))
         self._accounting = self._context.__enter__()
         return None
 

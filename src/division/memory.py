@@ -126,11 +126,13 @@ def parameter_storages(model: Optional[nn.Module]) -> frozenset:
 
 
 @contextlib.contextmanager
-def model_inputs(model: Optional[nn.Module]):
+def model_inputs(model: Optional[nn.Module], given=None):
     """Yields the set that the next forward of ``model`` fills with the storage keys of its tensor arguments
-    (the caller's batch, held through backward by the caller anyway)."""
+    (the caller's batch, held through backward by the caller anyway). ``given``: those arguments themselves,
+    for a caller already inside the model's call (a forward pre-hook), where a hook added now would not run."""
     keys: set = set()
-    if model is None:
+    if given is not None or model is None:
+        keys.update(storage_key(a) for a in (given or ()) if isinstance(a, torch.Tensor))
         yield keys
         return
 

@@ -87,13 +87,14 @@ class Method:
         return 0
 
     @contextlib.contextmanager
-    def accounting(self, model: Optional[nn.Module] = None):
+    def accounting(self, model: Optional[nn.Module] = None, inputs=None):
         """Wrap one training forward: afterwards ``acc.report`` holds its MemoryReport. Pass the model so
         that saved tensors sharing storage with its parameters (``weight.t()``) are not counted, and so that
-        the share of its input is reported on its own."""
+        the share of its input is reported on its own (``inputs``: the forward's arguments, for a caller
+        already inside the model's call)."""
         acc = _Accounting()
         recorder = acc.recorder = SavedTensorRecorder(self.ids(), exclude=parameter_storages(model))
-        with model_inputs(model) as inputs, recorder.record():
+        with model_inputs(model, inputs) as inputs, recorder.record():
             yield acc
         acc.report = build_report(self.policy_records(), recorder, self.notes, self.host_bytes(), inputs)
 

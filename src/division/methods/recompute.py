@@ -207,9 +207,9 @@ class Swap(Method):
         return model
 
     @contextlib.contextmanager
-    def accounting(self, model=None):
+    def accounting(self, model=None, inputs=None):
         """The swap hooks are innermost, so they report to this step's recorder themselves."""
-        with super().accounting(model) as acc:
+        with super().accounting(model, inputs) as acc:
             self._recorder = acc.recorder
             try:
                 yield acc
