@@ -124,3 +124,32 @@ def test_imagenet_folder_subsets(tmp_path):
     assert x.shape == (2, 3, 32, 32)
     labels = torch.cat([yb for _, yb in test])
     assert sorted(labels.tolist()) == [0, 1, 2]
+
+
+def test_loader_resumed_part_way_gives_the_rest_of_the_epoch_exactly(tmp_path):
+    """A run resumed mid-epoch must see the very batches (images, crops, flips) the full pass gives there."""
+    _make_tree(tmp_path / "cifar10", per_class=8)
+    train, _, _ = data_lib.build(_cfg(tmp_path, tmp_path), seed=3)
+    assert train.pad and train.flip
+    train.set_epoch(2)
+    full = list(train)
+    train.set_epoch(2)
+    assert data_lib.skip_batches(train, 2)
+    rest = list(train)
+    assert len(rest) == len(full) - 2 > 0
+    for (x, y), (x_ref, y_ref) in zip(rest, full[2:]):
+        assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
+    assert len(list(train)) == len(full)  # the skip holds for one pass only
+
+
+def test_imagenet_sampler_resumes_part_way(tmp_path):
+    _make_tree(tmp_path / "imagenet", per_class=4, size=40, fmt="jpg")
+    (tmp_path / "imagenet" / "test").rename(tmp_path / "imagenet" / "val")
+    cfg = compose([f"data.root={tmp_path}", "data=imagenet", "data.num_classes=3", "data.image_size=32",
+                   "data.batch_size=2", "data.workers=0", f"paths.root_dir={tmp_path}"]).data
+    train, _, _ = data_lib.build(cfg, seed=1)
+    train.sampler.set_epoch(1)
+    full = [y.tolist() for _, y in train]
+    assert data_lib.skip_batches(train, 2)
+    assert [y.tolist() for _, y in train] == full[2:]
+    assert not data_lib.skip_batches([(torch.zeros(1), torch.zeros(1))], 1)

@@ -15,7 +15,8 @@ SYN = ["data=synthetic", "model=resnet20", "data.batch_size=8", "data.train_size
 def test_two_process_gloo_division(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29631",
-           "train.py", *SYN, "method=division", "trainer.max_steps=2", f"paths.root_dir={tmp_path}"]
+           "train.py", *SYN, "method=division", "trainer.max_steps=2", "trainer.checkpoint_every_steps=1",
+           f"paths.root_dir={tmp_path}"]  # a mid-epoch checkpoint after step 1: its sums are all-reduced
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = list(Path(tmp_path, "outputs", "runs").rglob("result.json"))

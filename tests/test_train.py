@@ -221,3 +221,37 @@ def test_imagenet_vit_on_cifar_takes_the_fix_its_error_names(tmp_path):
         run_train(common, tmp_path / "small")
     result = run_train([*common, "data.image_size=112"], tmp_path / "resized")
     assert result["status"] == "ok" and result["input_size"] == 112 and result["config"]["optim"]["name"] == "adamw"
+
+
+def test_run_resumed_mid_epoch_ends_as_an_uninterrupted_one(tmp_path, monkeypatch):
+    """Checkpoints every 3 steps; killed in the middle of epoch 2, resumed: same weights (DIVISION's stochastic
+    rounding included), same epoch metrics as a run that was never stopped."""
+    import torch
+    from division import engine
+    args = SYN + ["method=division", "data.train_size=64", "trainer.epochs=2", "trainer.checkpoint_every_steps=3"]
+    straight = run_train(args, tmp_path / "straight")
+    real_step = engine.train_step
+
+    def killed_at_step_12(*a, **k):
+        if a[6].global_step == 12:  # epoch 2, its 5th step; the last checkpoint came after its 3rd
+            raise KeyboardInterrupt
+        return real_step(*a, **k)
+    monkeypatch.setattr(engine, "train_step", killed_at_step_12)
+    with pytest.raises(KeyboardInterrupt):
+        run_train(args, tmp_path / "resumed")
+    monkeypatch.setattr(engine, "train_step", real_step)
+    ckpt_path = next(Path(tmp_path, "resumed").rglob("checkpoint.pt"))
+    saved = torch.load(ckpt_path, weights_only=False)
+    assert (saved["epoch"], saved["global_step"], saved["partial"]["steps"]) == (1, 11, 3)
+    resumed = run_train(args + ["resume=true"], tmp_path / "resumed")
+    weights = [torch.load(next(Path(tmp_path, d).rglob("checkpoint.pt")), weights_only=False)["model"]
+               for d in ("straight", "resumed")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    for key in ("train_loss", "train_top1", "train_images", "steps", "global_step", "top1"):
+        assert [e[key] for e in resumed["epochs"]] == [e[key] for e in straight["epochs"]], key
+    assert resumed["epochs"][1]["steps"] == 8
+
+
+def test_mid_epoch_checkpoints_need_a_resumable_loader(tmp_path):
+    with pytest.raises(ValueError, match=r"trainer.checkpoint_every_steps=-1 is invalid; it must be >= 0"):
+        run_train(SYN + ["method=fp", "trainer.checkpoint_every_steps=-1"], tmp_path)

@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from division import dist
+from division.data import skip_batches
 from division.memory import MemoryReport, PeakMeter, release_freed_memory, reuse_freed_memory
 
 
@@ -142,13 +143,21 @@ def _progress(loader, enabled, desc):
     return tqdm(loader, desc=desc, leave=False, dynamic_ncols=True, mininterval=1.0, file=sys.stderr)
 
 
+PARTIAL_KEYS = ("steps", "loss_sum", "correct", "seen", "compute_time", "timed_images", "wall")
+
+
 def train_one_epoch(model: nn.Module, method, loader, optimizer, scheduler, state: StepState, epoch: int,
-                    measure: bool = True) -> dict:
+                    measure: bool = True, resume: Optional[dict] = None, checkpoint_every: int = 0,
+                    on_checkpoint=None) -> dict:
     """One pass over ``loader``. With ``measure``, the first step is accounted: before it, untimed, the
     full-precision reference of its forward; the step is left out of the throughput. ``peak_mem_bytes`` is
     the peak of the first ``state.measured_steps`` training steps (reset after the reference; on CPU with
     ``state.live_peak``, measured with glibc returning freed memory, then switched back to the fast
-    setting); ``peak_rss_epoch_bytes`` the resident-set peak of the whole epoch's steps as it is."""
+    setting); ``peak_rss_epoch_bytes`` the resident-set peak of the whole epoch's steps as it is.
+
+    Mid-epoch checkpoints: every ``checkpoint_every`` steps (before the last), ``on_checkpoint(partial)``
+    gets the epoch's running sums (``PARTIAL_KEYS``, summed over ranks); ``resume`` (such a dict) continues
+    the epoch after its steps, the loader skipping the batches already trained on."""
     model.train()
     if hasattr(loader, "set_epoch"):
         loader.set_epoch(epoch)
@@ -158,13 +167,19 @@ def train_one_epoch(model: nn.Module, method, loader, optimizer, scheduler, stat
     live = state.live_peak and state.device.type == "cpu" and measure and release_freed_memory()
     measured_live = live
     meter.reset()
-    loss_sum = correct = seen = 0.0
-    compute_time = timed_images = 0.0
+    done = dict(resume) if resume else dict.fromkeys(PARTIAL_KEYS, 0)
+    if not state.dist_info.is_main:  # the saved sums are every rank's: one rank carries them on
+        done = dict.fromkeys(PARTIAL_KEYS, 0) | {"steps": done["steps"]}
+    if done["steps"] and not skip_batches(loader, done["steps"]):
+        raise ValueError(f"cannot resume epoch {epoch} at step {done['steps']}: this data loader cannot start "
+                         "part-way through an epoch")
+    loss_sum, correct, seen = float(done["loss_sum"]), float(done["correct"]), float(done["seen"])
+    compute_time, timed_images = float(done["compute_time"]), float(done["timed_images"])
     report = fp = None
     step_peak = None
-    steps = 0
+    steps = int(done["steps"])
     window = [0.0, 0.0, 0.0, 0]  # loss sum, images, compute seconds, steps since the last log point
-    start = time.perf_counter()
+    start = time.perf_counter() - float(done["wall"])
     bar = _progress(loader, state.progress and state.dist_info.is_main, f"epoch {epoch}")
     for x, y in bar:
         if state.done:
@@ -206,6 +221,11 @@ def train_one_epoch(model: nn.Module, method, loader, optimizer, scheduler, stat
         if bar is not loader:
             bar.set_postfix(loss=f"{loss_sum / seen:.3f}", acc=f"{100 * correct / seen:.1f}",
                             img_s=f"{timed_images / max(compute_time, 1e-9):.0f}")
+        if checkpoint_every and on_checkpoint is not None and steps % checkpoint_every == 0 \
+                and steps < len(loader) and not state.done:
+            sums = dist.all_reduce_sum([loss_sum, correct, seen, compute_time, timed_images,
+                                        time.perf_counter() - start], state.device)
+            on_checkpoint(dict(zip(PARTIAL_KEYS, [steps, *sums])))
     wall = time.perf_counter() - start
     epoch_peak = meter.peak()
     if step_peak is None:

@@ -69,10 +69,10 @@ def run(cfg: DictConfig) -> dict:
     amp = cfg.trainer.amp
     if amp not in engine.AMP_DTYPES:
         raise ValueError(f"trainer.amp={amp!r} is invalid; valid choices: {list(engine.AMP_DTYPES)}")
-    for key, least in (("epochs", 1), ("max_steps", 0)):
-        if int(cfg.trainer[key]) < least:
-            raise ValueError(f"trainer.{key}={cfg.trainer[key]} is invalid; it must be >= {least}"
-                             + (" (0 = no limit)" if key == "max_steps" else ""))
+    for key, least, zero in (("epochs", 1, ""), ("max_steps", 0, " (0 = no limit)"),
+                             ("checkpoint_every_steps", 0, " (0 = at epoch ends only)")):
+        if int(cfg.trainer.get(key, 0)) < least:
+            raise ValueError(f"trainer.{key}={cfg.trainer[key]} is invalid; it must be >= {least}{zero}")
     if amp == "fp16" and device.type != "cuda":
         raise ValueError("trainer.amp=fp16 needs CUDA; on CPU use trainer.amp=bf16")
     if cfg.trainer.get("sync_bn") and info.enabled and device.type != "cuda":
@@ -94,6 +94,10 @@ def run(cfg: DictConfig) -> dict:
 
     seed_everything(int(cfg.seed))
     train_loader, test_loader, data_info = data_lib.build(cfg.data, int(cfg.seed), info.rank, info.world_size)
+    every = int(cfg.trainer.get("checkpoint_every_steps", 0) or 0) if cfg.trainer.get("checkpoint", True) else 0
+    if every and not data_lib.skip_batches(train_loader, 0):
+        raise ValueError(f"trainer.checkpoint_every_steps={every} needs a training loader that can resume part-way "
+                         f"through an epoch, which data={cfg.data.name} does not have; set it to 0")
     stem = str(cfg.model.get("stem", "auto"))
     model, zeroed = models.from_config(cfg.model, data_info.image_size)
     if cfg.trainer.get("sync_bn") and info.enabled:
@@ -135,7 +139,7 @@ def run(cfg: DictConfig) -> dict:
         "codec_backends": None,
         "peak_mem_how": None, "wall_time_s": 0.0,
     }
-    start_epoch = 0
+    start_epoch, partial = 0, None
     requeued = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0  # SLURM requeue: always continue
     if (cfg.get("resume") or requeued) and ckpt_path.exists():
         ckpt = load_checkpoint(ckpt_path, device)
@@ -149,12 +153,14 @@ def run(cfg: DictConfig) -> dict:
         if device.type == "cuda" and ckpt.get("rng_cuda") is not None:
             torch.cuda.set_rng_state(ckpt["rng_cuda"], device)
         start_epoch, state.global_step = int(ckpt["epoch"]), int(ckpt["global_step"])
+        partial = ckpt.get("partial")  # saved within epoch start_epoch: its running sums
         result["epochs"] = ckpt["epochs"]
         result["wall_time_s"] = float(ckpt.get("wall_time_s", 0.0))
         if result["epochs"]:
             result["best_top1"] = max(e["top1"] for e in result["epochs"] if e.get("top1") is not None)
         if info.is_main:
-            print(f"resume: {ckpt_path} at epoch {start_epoch}, step {state.global_step}")
+            print(f"resume: {ckpt_path} at epoch {start_epoch}, step {state.global_step}"
+                  + (f" ({partial['steps']} steps into it)" if partial else ""))
 
     logger = loggers.build(cfg.logger, resolved, run_dir.name, info.is_main)
     state.log_every = int(cfg.logger.get("log_every", 0) or 0)
@@ -168,11 +174,27 @@ def run(cfg: DictConfig) -> dict:
             results.write_json(result_path, result)
             results.write_jsonl(run_dir / "metrics.jsonl", result["epochs"])
 
+    def save_checkpoint(epoch: int, partial_sums=None):
+        """``epoch``: the next epoch to run, or the one in progress when ``partial_sums`` are given."""
+        if not (info.is_main and cfg.trainer.get("checkpoint", True)):
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _save_checkpoint(ckpt_path, {
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler else None,
+            "rng_cpu": torch.get_rng_state(),
+            "rng_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+            "epoch": epoch, "global_step": state.global_step, "epochs": result["epochs"], "partial": partial_sums,
+            "code_version": code, "wall_time_s": time.perf_counter() - t_start})
+
     try:
         for epoch in range(start_epoch, epochs):
             if state.done:
                 break
-            metrics = engine.train_one_epoch(train_model, method, train_loader, optimizer, scheduler, state, epoch)
+            metrics = engine.train_one_epoch(
+                train_model, method, train_loader, optimizer, scheduler, state, epoch,
+                resume=partial if epoch == start_epoch else None, checkpoint_every=every,
+                on_checkpoint=lambda sums, e=epoch: save_checkpoint(e, sums))
             report = metrics.pop("_report", None)
             if report is not None and info.is_main and epoch == start_epoch:
                 results.write_json(run_dir / "memory_layers.json", {"summary": report.summary(), "layers": report.layers})
@@ -192,16 +214,7 @@ def run(cfg: DictConfig) -> dict:
             logger.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=state.global_step)
             if info.is_main:
                 print(engine_line(metrics), flush=True)
-                if cfg.trainer.get("checkpoint", True):
-                    run_dir.mkdir(parents=True, exist_ok=True)
-                    _save_checkpoint(ckpt_path, {
-                        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler else None,
-                        "rng_cpu": torch.get_rng_state(),
-                        "rng_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-                        "epoch": epoch + 1, "global_step": state.global_step, "epochs": result["epochs"],
-                        "code_version": code,
-                        "wall_time_s": time.perf_counter() - t_start})
+            save_checkpoint(epoch + 1)
             write("running")
         if compiled:
             result["compile"] = {"graph_breaks": api.graph_breaks()}

@@ -22,6 +22,34 @@ class DataInfo:
     source: str
 
 
+class ResumableSampler(torch.utils.data.distributed.DistributedSampler):
+    """DistributedSampler (one replica too: an order fixed by seed and epoch, not by the global random state)
+    that can start a pass part-way, for a run resumed mid-epoch; the skipped images are never loaded."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._skip = 0
+
+    def skip_samples(self, n: int):
+        self._skip = int(n)
+
+    def __iter__(self):
+        start, self._skip = self._skip, 0
+        return iter(list(super().__iter__())[start:])
+
+
+def skip_batches(loader, n: int) -> bool:
+    """Make the next pass of a training loader start at batch ``n``; False when the loader cannot."""
+    if hasattr(loader, "skip_batches"):
+        loader.skip_batches(n)
+        return True
+    sampler = getattr(loader, "sampler", None)
+    if isinstance(sampler, ResumableSampler):
+        sampler.skip_samples(n * loader.batch_size)
+        return True
+    return False
+
+
 def resolve_root(root) -> Path:
     """data.root, else $DATA_DIR, else ./data."""
     if root in (None, ""):
@@ -110,11 +138,9 @@ def _imagenet(cfg, batch, eval_batch, seed, rank, world_size):
     if int(cfg.get("test_subset", 0) or 0):
         keep = stratified_subset(np.asarray(val_ds.targets), int(cfg.test_subset), seed)
         val_ds = torch.utils.data.Subset(val_ds, keep.tolist())
-    sampler = None
-    if world_size > 1:
-        sampler = torch.utils.data.distributed.DistributedSampler(train_ds, world_size, rank, seed=seed)
+    sampler = ResumableSampler(train_ds, world_size, rank, seed=seed)
     workers = int(cfg.get("workers", 8))
-    train = torch.utils.data.DataLoader(train_ds, batch, shuffle=sampler is None, sampler=sampler,
+    train = torch.utils.data.DataLoader(train_ds, batch, sampler=sampler,
                                         num_workers=workers, pin_memory=torch.cuda.is_available(), drop_last=True,
                                         persistent_workers=workers > 0)
     val_sampler = (torch.utils.data.distributed.DistributedSampler(val_ds, world_size, rank, shuffle=False)
@@ -125,4 +151,4 @@ def _imagenet(cfg, batch, eval_batch, seed, rank, world_size):
     return train, test, info
 
 
-__all__ = ["build", "DataInfo", "DataNotFoundError", "resolve_root", "DATASETS"]
+__all__ = ["build", "DataInfo", "DataNotFoundError", "ResumableSampler", "resolve_root", "skip_batches", "DATASETS"]

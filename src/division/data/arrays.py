@@ -163,6 +163,7 @@ class TensorLoader:
         self.mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1) * 255
         self.std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1) * 255
         self.seed, self.rank, self.world_size, self.epoch = seed, rank, world_size, 0
+        self._skip = 0
         self.drop_last = train if drop_last is None else drop_last
         self.num_samples = -(-len(self.labels) // world_size)
         native = self.images.shape[-1]
@@ -170,6 +171,11 @@ class TensorLoader:
 
     def set_epoch(self, epoch: int):
         self.epoch = epoch
+
+    def skip_batches(self, n: int):
+        """The next pass starts at batch ``n`` of this epoch, with the same images and augmentation the full
+        pass gives from there (a run resumed mid-epoch continues exactly)."""
+        self._skip = int(n)
 
     def _order(self) -> torch.Tensor:
         n = len(self.labels)
@@ -191,8 +197,15 @@ class TensorLoader:
     def __iter__(self):
         order = self._order()
         g = torch.Generator().manual_seed(self.seed * 7919 + self.epoch + 1)
+        start, self._skip = self._skip, 0
         for b in range(len(self)):
             idx = order[b * self.batch_size:(b + 1) * self.batch_size]
+            if b < start:  # draw what the skipped batch would have drawn, and nothing else
+                for _ in range(2 if self.pad else 0):  # dy, dx: the very calls below
+                    torch.randint(0, 2 * self.pad + 1, (len(idx),), generator=g)
+                if self.flip:
+                    torch.rand(len(idx), generator=g)
+                continue
             x = self.images[idx].float()
             if self.pad:
                 n, c, h, w = x.shape
