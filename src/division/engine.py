@@ -167,19 +167,19 @@ def train_one_epoch(model: nn.Module, method, loader, optimizer, scheduler, stat
     live = state.live_peak and state.device.type == "cpu" and measure and release_freed_memory()
     measured_live = live
     meter.reset()
-    done = dict(resume) if resume else dict.fromkeys(PARTIAL_KEYS, 0)
+    carried = dict(resume) if resume else dict.fromkeys(PARTIAL_KEYS, 0)
     if not state.dist_info.is_main:  # the saved sums are every rank's: one rank carries them on
-        done = dict.fromkeys(PARTIAL_KEYS, 0) | {"steps": done["steps"]}
-    if done["steps"] and not skip_batches(loader, done["steps"]):
-        raise ValueError(f"cannot resume epoch {epoch} at step {done['steps']}: this data loader cannot start "
+        carried = dict.fromkeys(PARTIAL_KEYS, 0) | {"steps": carried["steps"]}
+    if carried["steps"] and not skip_batches(loader, carried["steps"]):
+        raise ValueError(f"cannot resume epoch {epoch} at step {carried['steps']}: this data loader cannot start "
                          "part-way through an epoch")
-    loss_sum, correct, seen = float(done["loss_sum"]), float(done["correct"]), float(done["seen"])
-    compute_time, timed_images = float(done["compute_time"]), float(done["timed_images"])
+    loss_sum, correct, seen = float(carried["loss_sum"]), float(carried["correct"]), float(carried["seen"])
+    compute_time, timed_images = float(carried["compute_time"]), float(carried["timed_images"])
     report = fp = None
     step_peak = None
-    steps = int(done["steps"])
+    steps = int(carried["steps"])
     window = [0.0, 0.0, 0.0, 0]  # loss sum, images, compute seconds, steps since the last log point
-    start = time.perf_counter() - float(done["wall"])
+    start = time.perf_counter() - float(carried["wall"])
     bar = _progress(loader, state.progress and state.dist_info.is_main, f"epoch {epoch}")
     for x, y in bar:
         if state.done:

@@ -5,10 +5,10 @@ Two sources are merged: the records a method's policy wrote while compressing (w
 functions keep), and every tensor plain autograd saved outside them (observed through
 ``torch.autograd.graph.saved_tensors_hooks``). Parameters (and views of them, such as the ``weight.t()``
 a Linear saves) are never counted: they exist anyway. The model's input is counted (plain autograd holds
-it for the first layer) and also reported on its own (``input_*`` fields), so a ratio without it, the paper's
-measure of memory allocated by the forward, can be taken from the same step. Under autocast, plain autograd also saves the
-low-precision casts of weights; they are not activations either and are reported on their own line
-(``amp_weight_cast_bytes``), outside both the held and the full-precision totals.
+it for the first layer) and also reported on its own (``input_*`` fields), so a ratio without it, the
+paper's measure of memory allocated by the forward, can be taken from the same step. Under autocast, plain
+autograd also saves the low-precision casts of weights; they are not activations either and are reported on
+their own line (``amp_weight_cast_bytes``), outside both the held and the full-precision totals.
 """
 import contextlib
 import ctypes

@@ -37,8 +37,8 @@ def read_json(path):
 
 def config_hash(cfg: Dict) -> str:
     """Hash of the resolved config without seed, paths, logging, run bookkeeping and execution details
-    (threads, progress bar, allocator setting, mid-epoch checkpoints): runs that differ only by seed share it, so tables can group
-    seeds, and a sweep finds its runs whatever thread count it is given."""
+    (threads, progress bar, allocator setting, mid-epoch checkpoints): runs that differ only by seed share it,
+    so tables can group seeds, and a sweep finds its runs whatever thread count it is given."""
     trimmed = {k: v for k, v in cfg.items() if k not in HASH_IGNORED}
     if isinstance(trimmed.get("trainer"), dict):  # how a run executes, not what it computes
         trimmed["trainer"] = {k: v for k, v in trimmed["trainer"].items()
