@@ -309,6 +309,7 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
         fp_top1, fp_speed, fp_threads = fp.get((exp, data, model), (None, None, None))
         gap = "" if fp_top1 is None else f"{mean - fp_top1:+.2f}"
         compression = _mean_of(recs, "act_compression")
+        without_input = _mean_of(recs, "act_compression_without_input")
         speed, timed = _mean_speed(recs, fp_threads)
         label, warning = commits(recs)
         if warning:
@@ -322,7 +323,8 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
             pval = "" if v is None else f"{v:.2f}"
         rows.append([exp, data, model, method, f"{mean:.2f} ± {std:.2f}",
                      "" if best[0] is None else f"{best[0]:.2f} ± {best[1]:.2f}", len(recs), gap,
-                     "" if compression is None else f"{compression:.2f}x",
+                     ("" if compression is None else f"{compression:.2f}x")
+                     + ("" if without_input is None else f" ({without_input:.2f}x without input)"),
                      "" if speed is None else f"{speed:.1f}" + ("" if not fp_speed else f" ({speed / fp_speed:.2f})")
                      + ("" if timed == len(recs) else f" [{timed} of {len(recs)} runs]"),
                      label, pval])
@@ -330,7 +332,7 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
     text = _write_table(out / f"accuracy_{experiment}", header, rows,
                         f"Experiment {experiment}: test top-1 accuracy at the last epoch and the best epoch, mean ± "
                         "std over seeds (n runs); gap = method mean - fp mean; activation compression of the "
-                        "first training step and training throughput (per run the median over its epochs), means over "
+                        "first training step (and without the model's input, where recorded) and training throughput (per run the median over its epochs), means over "
                         "the same runs, leaving out runs whose recorded thread count differs from fp's ([k of n "
                         "runs]); runs that shared the CPU with other work are slowed by it, so these speeds are "
                         "indicative only: the paired benchmarks (throughput_paired) measure speed. "

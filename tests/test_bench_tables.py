@@ -134,7 +134,8 @@ def _fixture(root: Path):
             "seed": seed, "top1": top1, "best_top1": top1 + 1,
             "epochs": [{"epoch": e + 1, "top1": top1, "throughput_img_s": s} for e, s in enumerate((speed, speed, 5 * speed))],
             "act_compression": 1.0 if method == "fp" else 9.5, "throughput_img_s": 5 * speed, "device": "cpu: test",
-            "git_sha": sha, "git_dirty": False}))
+            "git_sha": sha, "git_dirty": False,
+            **({"act_compression_without_input": 9.6} if method == "division" else {})}))
 
 
 def test_tables_from_fixtures(tmp_path):
@@ -155,7 +156,8 @@ def test_tables_from_fixtures(tmp_path):
     # fp: last 61.00 ± 1.41, best 62.00 ± 1.41 (n 2); division from one commit, 120 img/s = 0.80 of fp's 150
     # (speeds: per run the median over epochs, not the last epoch's figure)
     assert "| fp | 61.00 ± 1.41 | 62.00 ± 1.41 | 2 | +0.00 | 1.00x | 150.0 (1.00) | abcdef12, abcdef99 |" in acc
-    assert "| division | 59.00 ± 0.00 | 60.00 ± 0.00 | 1 | -2.00 | 9.50x | 120.0 (0.80) | 99999999 |" in acc
+    assert ("| division | 59.00 ± 0.00 | 60.00 ± 0.00 | 1 | -2.00 | 9.50x (9.60x without input) | 120.0 (0.80) "
+            "| 99999999 |") in acc
     assert "11.00" not in acc and not (tables / "accuracy_check.md").exists()  # smoke runs stay out
     assert "WARNING: rows mixing commits or uncommitted code: fp." in acc
     assert "Commit(s): abcdef12." in mem and "WARNING" not in mem
