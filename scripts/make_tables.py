@@ -133,6 +133,7 @@ ABLATION_LABELS = {
     "division_plus:block_size=8": "division_plus with B=8 LFC blocks",
     "division_plus:small_map_elems=256": "division_plus plus groups for maps <= 256 elements",
     "division_plus:keep_input=true": "division_plus with the model's input held exactly (counted in full)",
+    "division_plus:single_block_lfc=false": "division_plus without an LFC for maps one block covers",
     "division:fuse_bn_relu=true": "DIVISION plus the fused BN->ReLU saving only",
 }
 

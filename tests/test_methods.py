@@ -361,3 +361,23 @@ def test_nonfinite_activation_gives_what_plain_autograd_gives():
         fin = torch.isfinite(a)
         if fin.any():
             assert torch.allclose(a[fin], b[fin], rtol=0.05, atol=0.05 * a[fin].abs().max().item())
+
+
+def test_single_block_maps_without_lfc_decode_alike_for_16_bits_less_per_map():
+    """single_block_lfc=False: a map one LFC block covers is held without its LFC (the map mean, which the
+    per-map minimum absorbs): 2 bytes (bf16) fewer per map, the same decode up to float rounding; larger maps
+    keep DIVISION's codec."""
+    torch.manual_seed(0)
+    small, large = torch.randn(4, 8, 8, 8) * 3 + 1, torch.randn(4, 8, 16, 16)
+    packs = {}
+    for single in (True, False):
+        method = build({"name": "division", "stochastic": False, "single_block_lfc": single})
+        packs[single] = [method.choose("conv", t) for t in (small, large)]
+    with_lfc, without = packs[True][0], packs[False][0]
+    assert with_lfc.kind == "division" and without.kind != "division"
+    assert with_lfc.nbytes() - without.nbytes() == 4 * 8 * 2
+    scale = (small.amax((2, 3)) - small.amin((2, 3))).max()
+    assert (with_lfc.decode() - without.decode()).abs().max() <= 1e-4 * scale
+    assert torch.equal(packs[True][1].decode(), packs[False][1].decode())  # 16x16 at B=8: four blocks, LFC kept
+    with pytest.raises(ValueError, match=r"single_block_lfc='no' is invalid; valid choices: \[True, False\]"):
+        build({"name": "division", "single_block_lfc": "no"})

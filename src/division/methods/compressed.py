@@ -63,7 +63,9 @@ class Division(PolicyMethod):
 
     Per-layer policy (beyond the paper): maps of at most ``small_map_elems`` elements (7x7 and 14x14 with
     256) go to ActNN-style groups of ``small_map_group`` elements, where DIVISION's per-map statistics and
-    LFC cost most per element; 0 turns it off."""
+    LFC cost most per element; 0 turns it off. ``single_block_lfc=False`` (beyond the paper) holds no LFC for
+    maps one block covers: that LFC is the map's mean, which the per-map minimum absorbs anyway, so the codes
+    and the decode are those of the same quantizer without it, 16 bits per map fewer."""
 
     name = "division"
 
@@ -71,11 +73,14 @@ class Division(PolicyMethod):
                  min_numel: int = 0, lfc: bool = True, reuse_relu_mask: bool = False,
                  layers=compress.LAYER_KINDS, stochastic: bool = True, backend: str = "auto",
                  fuse_bn_relu: bool = False, stat_dtype: str = "fp32", small_map_elems: int = 0,
-                 small_map_group: int = 256, keep_input: bool = False):
-        if lfc:
-            self.codec = DivisionCodec(block_size, hfc_bits, lfc_dtype, min_numel, stochastic, backend, stat_dtype)
-        else:
-            self.codec = PerChannelCodec(hfc_bits, stochastic, min_numel, backend, stat_dtype)
+                 small_map_group: int = 256, keep_input: bool = False, single_block_lfc: bool = True):
+        if not isinstance(single_block_lfc, bool):
+            raise ValueError(f"single_block_lfc={single_block_lfc!r} is invalid; valid choices: [True, False]")
+        plain = PerChannelCodec(hfc_bits, stochastic, min_numel, backend, stat_dtype)
+        self.codec = DivisionCodec(block_size, hfc_bits, lfc_dtype, min_numel, stochastic, backend, stat_dtype) \
+            if lfc else plain
+        self.one_block_codec = self.codec if single_block_lfc else plain
+        self.block_size = block_size
         if isinstance(small_map_elems, bool) or not isinstance(small_map_elems, int) or small_map_elems < 0:
             raise ValueError(f"small_map_elems={small_map_elems!r} is invalid; it must be an integer >= 0 (0: off)")
         self.small_map_elems = small_map_elems
@@ -84,14 +89,18 @@ class Division(PolicyMethod):
         self.notes = ["maps with 1x1 spatial size, fewer than min_numel elements, and 2-D inputs are held in "
                       "bf16; token tensors use the patch grid (prefix tokens in bf16) or pool along tokens"]
 
+    def _map_codec(self, height: int, width: int):
+        return self.one_block_codec if height <= self.block_size and width <= self.block_size else self.codec
+
     def choose(self, kind, x, split=None):
         if x.dim() == 4:
             if 1 < x.shape[2] * x.shape[3] <= self.small_map_elems and x.numel() >= self.codec.min_numel:
                 return self.small_codec.encode(x, split)
-            return self.codec.encode(x, split)
+            return self._map_codec(x.shape[2], x.shape[3]).encode(x, split)
         if x.dim() == 3:
             prefix, grid = self.token_grid if self.token_grid else (0, None)
-            return encode_tokens(self.codec, x, prefix, grid)
+            on_grid = grid is not None and x.shape[1] == prefix + grid[0] * grid[1]
+            return encode_tokens(self._map_codec(*(grid if on_grid else (x.shape[1], 1))), x, prefix, grid)
         return Bf16Copy.encode(x)
 
 
