@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from division.codecs.base import tensor_storages
 from division.codecs.quant import storage_key
 
 
@@ -130,16 +131,13 @@ def model_inputs(model: Optional[nn.Module], given=None):
     """Yields the set that the next forward of ``model`` fills with the storage keys of its tensor arguments
     (the caller's batch, held through backward by the caller anyway). ``given``: those arguments themselves,
     for a caller already inside the model's call (a forward pre-hook), where a hook added now would not run."""
-    keys: set = set()
+    keys = tensor_storages(given or ())
     if given is not None or model is None:
-        keys.update(storage_key(a) for a in (given or ()) if isinstance(a, torch.Tensor))
         yield keys
         return
 
     def note(module, args, kwargs):
-        for a in (*args, *kwargs.values()):
-            if isinstance(a, torch.Tensor):
-                keys.add(storage_key(a))
+        keys.update(tensor_storages((*args, *kwargs.values())))
     handle = model.register_forward_pre_hook(note, with_kwargs=True)
     try:
         yield keys

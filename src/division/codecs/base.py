@@ -75,6 +75,11 @@ def storage_key(t: torch.Tensor):
     return (t.device.type, t.device.index, t.untyped_storage().data_ptr())
 
 
+def tensor_storages(values) -> set:
+    """Storage keys of the tensors among ``values`` (a call's arguments, say)."""
+    return {storage_key(v) for v in values if isinstance(v, torch.Tensor)}
+
+
 def unique_nbytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (a view counts its whole storage, once)."""
     seen = {}

@@ -33,11 +33,16 @@ class TokenPacked(Packed):
         return torch.cat([self.prefix.decode(), body], dim=1)
 
 
+def on_grid(tokens: int, prefix_tokens: int = 0, grid: Optional[tuple] = None) -> bool:
+    """Whether ``tokens`` tokens are the prefix plus a full patch grid."""
+    return grid is not None and tokens == prefix_tokens + grid[0] * grid[1]
+
+
 def token_body(x: torch.Tensor, prefix_tokens: int = 0, grid: Optional[tuple] = None):
     """(B, T, C) -> (the maps a codec sees, whether they lie on the patch grid): (B, C, gh, gw) of the last
     gh*gw tokens when T == prefix + gh*gw (the prefix left out), else (B, C, T, 1), every token."""
     b, t, c = x.shape
-    if grid is not None and t == prefix_tokens + grid[0] * grid[1]:
+    if on_grid(t, prefix_tokens, grid):
         return x[:, prefix_tokens:].transpose(1, 2).reshape(b, c, *grid), True
     return x.transpose(1, 2).reshape(b, c, t, 1), False
 

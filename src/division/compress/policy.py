@@ -6,6 +6,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from division.codecs.base import tensor_storages
 from division.codecs.exact import InputReference
 from division.codecs.quant import BitMask, FullCopy, Packed, check_backend, storage_key
 from division.compress.fused import BnOutput, BnReluInput
@@ -39,7 +40,7 @@ class SavePolicy:
                 raise ValueError(f"{name}={value!r} is invalid; valid choices: [True, False]")
         self.fuse_bn_relu = fuse_bn_relu
         self.keep_input = keep_input
-        self._inputs: List[weakref.ref] = []
+        self._inputs: set = set()  # storage keys of this forward's model arguments (with keep_input)
         self._links: Dict[tuple, tuple] = {}
         self._pending: List["Saved"] = []
         self.choose = choose
@@ -55,7 +56,7 @@ class SavePolicy:
 
     def begin_forward(self, inputs=()):
         """A new training forward; ``inputs``: the model's arguments (noted only with ``keep_input``)."""
-        self._inputs = [weakref.ref(t) for t in inputs if isinstance(t, torch.Tensor)] if self.keep_input else []
+        self._inputs = tensor_storages(inputs) if self.keep_input else set()
         self._cache = {}
         self._masks = {}
         self._links = {}
@@ -68,12 +69,12 @@ class SavePolicy:
         self._cache = {}
         self._masks = {}
         self._links = {}
-        self._inputs = []
+        self._inputs = set()
 
     def is_input(self, x: torch.Tensor) -> bool:
-        """``x`` shares storage with an argument of this forward's model (noted with ``keep_input`` only)."""
-        key = storage_key(x)
-        return any(t is not None and storage_key(t) == key for t in (r() for r in self._inputs))
+        """``x`` shares storage with an argument of this forward's model (noted with ``keep_input`` only; the
+        arguments stay alive through the forward, so their addresses cannot be reused meanwhile)."""
+        return storage_key(x) in self._inputs
 
     def _link(self, t: torch.Tensor, value, version: int):
         self._links[self._key(t)[:4]] = (weakref.ref(t), version, value)
@@ -179,7 +180,7 @@ class SavePolicy:
             record.held = [(storage_key(t), t.untyped_storage().nbytes()) for t in packed.tensors() if t is not None]
             self._cache[self._key(x)] = (weakref.ref(x), packed, mask)
         self.records.append(record)
-        use_mask = mask if (self.reuse_relu_mask and packed.kind not in ("full", "input")) else None
+        use_mask = mask if (self.reuse_relu_mask and not isinstance(packed, FullCopy)) else None
         return Saved(packed, use_mask, tuple(x.shape))
 
     def save_mask(self, y: torch.Tensor, mask: BitMask, kind: str, layer: str, fp_bytes: int, fp_key=None):

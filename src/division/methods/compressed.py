@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from division import compress
 from division.codecs import Bf16Copy, BlpaCodec, DivisionCodec, GroupwiseCodec, PerChannelCodec
-from division.codecs.tokens import ChannelCodec, encode_tokens
+from division.codecs.tokens import ChannelCodec, encode_tokens, on_grid
 from division.methods.base import Method
 
 EXACT_KINDS = ("relu", "maxpool", "dropout", "avgpool")
@@ -99,8 +99,8 @@ class Division(PolicyMethod):
             return self._map_codec(x.shape[2], x.shape[3]).encode(x, split)
         if x.dim() == 3:
             prefix, grid = self.token_grid if self.token_grid else (0, None)
-            on_grid = grid is not None and x.shape[1] == prefix + grid[0] * grid[1]
-            return encode_tokens(self._map_codec(*(grid if on_grid else (x.shape[1], 1))), x, prefix, grid)
+            hw = grid if on_grid(x.shape[1], prefix, grid) else (x.shape[1], 1)
+            return encode_tokens(self._map_codec(*hw), x, prefix, grid)
         return Bf16Copy.encode(x)
 
 
