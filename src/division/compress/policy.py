@@ -180,7 +180,7 @@ class SavePolicy:
             record.held = [(storage_key(t), t.untyped_storage().nbytes()) for t in packed.tensors() if t is not None]
             self._cache[self._key(x)] = (weakref.ref(x), packed, mask)
         self.records.append(record)
-        use_mask = mask if (self.reuse_relu_mask and not isinstance(packed, FullCopy)) else None
+        use_mask = mask if (self.reuse_relu_mask and packed.kind not in ("full", "input")) else None
         return Saved(packed, use_mask, tuple(x.shape))
 
     def save_mask(self, y: torch.Tensor, mask: BitMask, kind: str, layer: str, fp_bytes: int, fp_key=None):
