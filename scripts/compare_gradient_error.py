@@ -2,7 +2,8 @@
 class-balanced test batches: per method the mean over the analysed layers (convolutions, and a ViT's linear
 layers fed tokens) of the relative L2 error and cosine (each a mean over stochastic draws), with mean and
 95 % t interval over batches, and the paired difference per batch against a baseline method (the first one
-named). A measurement, not a test.
+named); beside it each method's activation compression on the same batches (held bytes against plain
+autograd's, one training forward). A measurement, not a test.
 
     DATA_DIR=../shared/datasets python scripts/compare_gradient_error.py --model resnet20 \
         --checkpoint results/runs/cifar10_resnet20_full/<run>/checkpoint.pt --tag resnet20_full \
@@ -20,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from division import results  # noqa: E402
-from division.analysis import (balanced_batches, cifar10_data_config, gradient_error, mean_interval,  # noqa: E402
-                               weight_grads)
+from division.analysis import (balanced_batches, cifar10_data_config, gradient_error,  # noqa: E402
+                               held_compression, mean_interval, weight_grads)
 from division.methods import build, load_config  # noqa: E402
 from division.models import create_model  # noqa: E402
 
@@ -54,6 +55,7 @@ def main(argv=None):
             errs = gradient_error(model, build(load_config(spec)), x, y, args.draws, reference)
             per_batch[spec].append({"rel_error": statistics.mean(e["rel_error"] for e in errs.values()),
                                     "cosine": statistics.mean(e["cosine"] for e in errs.values()),
+                                    "act_compression": held_compression(model, build(load_config(spec)), x),
                                     "layers": {n: e["rel_error"] for n, e in errs.items()}})
             print(f"batch {i} {spec:48s} rel. error {per_batch[spec][-1]['rel_error']:.4f}", flush=True)
     base = args.methods[0]
@@ -62,8 +64,10 @@ def main(argv=None):
         err, err_ci = mean_interval(v["rel_error"] for v in vals)
         cos, cos_ci = mean_interval(v["cosine"] for v in vals)
         diff, diff_ci = mean_interval(v["rel_error"] - b["rel_error"] for v, b in zip(vals, per_batch[base]))
+        ratio, ratio_ci = mean_interval(v["act_compression"] for v in vals)
         rows[spec] = {"per_batch": vals, "rel_error": err, "rel_error_ci95": err_ci, "cosine": cos,
                       "cosine_ci95": cos_ci, "minus_baseline": diff, "minus_baseline_ci95": diff_ci,
+                      "act_compression": ratio, "act_compression_ci95": ratio_ci,
                       "layers": {n: statistics.mean(v["layers"][n] for v in vals) for n in vals[0]["layers"]}}
     first = next(iter(rows[base]["layers"]))  # the stem: its input is the image itself
     report = {"status": "ok", "model": args.model, "baseline": base, "batches": args.batches,
@@ -77,11 +81,13 @@ def main(argv=None):
     lines = [f"Weight-gradient error vs full precision, {args.model}, {args.batches} class-balanced test batches of "
              f"{report['batch_size']}, {args.draws} draws each; mean over the analysed layers (convolutions; a "
              "ViT's token linear layers too); 95 % t intervals over batches.",
-             "", f"| method | rel. L2 error | 95 % CI | cosine | first layer (`{first}`) | minus {base} (paired) | 95 % CI |",
-             "|---|---|---|---|---|---|---|"]
+             "", f"| method | rel. L2 error | 95 % CI | cosine | first layer (`{first}`) | minus {base} (paired) | 95 % CI "
+             "| act. compression (these batches) |",
+             "|---|---|---|---|---|---|---|---|"]
     for spec, r in rows.items():
         lines.append(f"| {spec} | {r['rel_error']:.4f} | {fmt(r['rel_error_ci95'])} | {r['cosine']:.4f} | "
-                     f"{r['layers'][first]:.4f} | {r['minus_baseline']:+.4f} | {fmt(r['minus_baseline_ci95'])} |")
+                     f"{r['layers'][first]:.4f} | {r['minus_baseline']:+.4f} | {fmt(r['minus_baseline_ci95'])} | "
+                     f"{r['act_compression']:.2f}x |")
     results.write_text(out / f"gradient_error_{args.tag}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 

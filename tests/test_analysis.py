@@ -55,14 +55,17 @@ def test_analysis_of_a_vit_checkpoint_on_synthetic_data(tmp_path):
 
 def test_gradient_error_comparison_smoke(tmp_path):
     """compare_gradient_error on synthetic data: per method the mean, its interval, the paired difference and
-    the per-layer errors, the first layer (whose input is the image) in its own column."""
+    the per-layer errors, the first layer (whose input is the image) in its own column; and each method's
+    activation compression on those batches (compact_relu: more than without it)."""
     proc = subprocess.run([sys.executable, "scripts/compare_gradient_error.py", "--synthetic", "--model", "resnet20",
                            "--batches", "2", "--per-class", "1", "--draws", "1", "--methods", "division", "actnn",
+                           "division:compact_relu=true",
                            "--tag", "smoke", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "gradient_error_smoke.json").read_text())
     rows = report["methods"]
     assert len(rows["division"]["layers"]) == 19 and rows["division"]["minus_baseline"] == 0.0
+    assert 9 < rows["division"]["act_compression"] < rows["division:compact_relu=true"]["act_compression"]
     assert "| method | rel. L2 error | 95 % CI | cosine | first layer (`conv1.weight`) |" in \
         (tmp_path / "gradient_error_smoke.md").read_text()

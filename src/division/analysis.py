@@ -140,6 +140,21 @@ def gradient_error(model: nn.Module, method, x: torch.Tensor, y: torch.Tensor, d
     return {n: {"cosine": s[0] / draws, "rel_error": s[1] / draws} for n, s in sums.items()}
 
 
+def held_compression(model: nn.Module, method, x: torch.Tensor) -> float:
+    """Activation compression of ``method`` on one training forward of ``model`` over the batch ``x`` (held
+    bytes against plain autograd's on the same batch): on trained weights and real data, where what some
+    savings keep depends on the values (compact_relu: the ReLU outputs' zeros)."""
+    prepared = copy.deepcopy(model).train()
+    method.prepare(prepared)
+    state = {k: v.clone() for k, v in prepared.state_dict().items()}
+    fp = method.fp_reference(prepared, lambda: prepared(x))
+    with method.accounting(prepared) as acc:
+        out = prepared(x)
+    del out
+    prepared.load_state_dict(state)
+    return acc.report.use_fp_reference(fp).ratio
+
+
 def mean_over_layers(errors: Dict[str, dict], key: str) -> float:
     return sum(e[key] for e in errors.values()) / max(1, len(errors))
 

@@ -15,7 +15,7 @@ class _ReLUFn(torch.autograd.Function):
             ctx.mark_dirty(x)
         ctx.mask = mask
         policy.note_relu(x, bn, y, mask, inplace)  # first: it encodes the batch norm's waiting input
-        policy.save_mask(y, mask, "relu", layer, fp_bytes, fp_key if inplace else policy.ids(y))
+        policy.save_mask(y, mask, "relu", layer, fp_bytes, fp_key if inplace else policy.ids(y), inplace)
         return y
 
     @staticmethod

@@ -7,6 +7,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from division.codecs.base import tensor_storages
+from division.codecs.compact import ReluCompacted, compact_relu
 from division.codecs.exact import InputReference
 from division.codecs.quant import BitMask, FullCopy, Packed, check_backend, storage_key
 from division.compress.fused import BnOutput, BnReluInput
@@ -29,17 +30,20 @@ class SavePolicy:
     ``choose(kind, x) -> Packed`` is the method's decision; ``reuse_relu_mask`` multiplies a rebuilt ReLU
     output by the ReLU's exact mask; ``fuse_bn_relu`` lets a convolution after BatchNorm -> ReLU rebuild its
     input from the batch norm's saved input (division/compress/fused.py) instead of holding a copy;
-    ``keep_input`` holds the model's input (the caller's batch) by reference instead of encoding it.
+    ``keep_input`` holds the model's input (the caller's batch) by reference instead of encoding it;
+    ``compact_relu`` keeps codes only for the positive elements of a ReLU output (division/codecs/compact.py).
     """
 
     def __init__(self, choose: Callable[[str, torch.Tensor], Packed], kinds=LAYER_KINDS,
                  reuse_relu_mask: bool = False, backend: str = "auto", fuse_bn_relu: bool = False,
-                 keep_input: bool = False):
-        for name, value in (("fuse_bn_relu", fuse_bn_relu), ("keep_input", keep_input)):
+                 keep_input: bool = False, compact_relu: bool = False):
+        for name, value in (("fuse_bn_relu", fuse_bn_relu), ("keep_input", keep_input),
+                            ("compact_relu", compact_relu)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} is invalid; valid choices: [True, False]")
         self.fuse_bn_relu = fuse_bn_relu
         self.keep_input = keep_input
+        self.compact_relu = compact_relu
         self._inputs: set = set()  # storage keys of this forward's model arguments (with keep_input)
         self._links: Dict[tuple, tuple] = {}
         self._pending: List["Saved"] = []
@@ -141,8 +145,9 @@ class SavePolicy:
         return (storage_key(x), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x._version)
 
     def _relu_mask(self, x: torch.Tensor):
+        """The exact mask of the ReLU whose output ``x`` is, if ``x`` is unchanged since."""
         entry = self._masks.get(self._key(x)[:4])
-        return entry[1] if entry is not None and entry[0]() is x else None
+        return entry[1] if entry is not None and entry[0]() is x and entry[2] == x._version else None
 
     def _lookup(self, x: torch.Tensor):
         hit = self._cache.get(self._key(x))
@@ -173,6 +178,9 @@ class SavePolicy:
                 packed = InputReference.encode(x)
             elif split is not None and self._split_aware:
                 packed = self.choose(kind, x, split)
+            elif self.compact_relu and mask is not None:
+                packed = self.choose(kind, x, mask) if self._split_aware else self.choose(kind, x)
+                packed = compact_relu(packed, mask, self.backend)
             else:
                 packed = self.choose(kind, x)
             record.codec = packed.kind
@@ -180,18 +188,20 @@ class SavePolicy:
             record.held = [(storage_key(t), t.untyped_storage().nbytes()) for t in packed.tensors() if t is not None]
             self._cache[self._key(x)] = (weakref.ref(x), packed, mask)
         self.records.append(record)
-        use_mask = mask if (self.reuse_relu_mask and packed.kind not in ("full", "input")) else None
+        use_mask = mask if (self.reuse_relu_mask and packed.kind not in ("full", "input")
+                            and not isinstance(packed, ReluCompacted)) else None
         return Saved(packed, use_mask, tuple(x.shape))
 
-    def save_mask(self, y: torch.Tensor, mask: BitMask, kind: str, layer: str, fp_bytes: int, fp_key=None):
-        """Record an exact mask (ReLU, dropout) and remember it for a later compression of ``y``."""
+    def save_mask(self, y: torch.Tensor, mask: BitMask, kind: str, layer: str, fp_bytes: int, fp_key=None,
+                  inplace: bool = False):
+        """Record an exact mask (ReLU, dropout) and remember it for a later compression of ``y`` (an in-place
+        ReLU's output gets one more version bump when its autograd function returns)."""
         self.flush()
         self.records.append(SaveRecord(layer, kind, mask.kind, tuple(y.shape), fp_bytes,
                                        [(storage_key(mask.packed), mask.packed.untyped_storage().nbytes())],
                                        fp_key=fp_key, backend=mask.backend))
         if kind == "relu":
-            # an in-place ReLU's output gets its version bumped after forward: match it by identity
-            self._masks[self._key(y)[:4]] = (weakref.ref(y), mask)
+            self._masks[self._key(y)[:4]] = (weakref.ref(y), mask, y._version + (1 if inplace else 0))
 
     def save_extra(self, t: torch.Tensor, kind: str, layer: str, codec: str, fp_bytes: int, fp_key=None):
         self.flush()

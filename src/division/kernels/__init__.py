@@ -11,7 +11,7 @@ import threading
 import warnings
 from pathlib import Path
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("division_cpu.c", "masks_cpu.c", "pool_cpu.c")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("division_cpu.c", "masks_cpu.c", "pool_cpu.c", "compact_cpu.c")]
 _HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")  # part of the cache key
 _LOCK = threading.Lock()
@@ -72,6 +72,12 @@ def _build() -> ctypes.CDLL:
     lib.quant_relu_mask.restype = None
     lib.bn_relu_rebuild.argtypes = [p, p, p, p, i64, i64, i64, p, i32]
     lib.bn_relu_rebuild.restype = None
+    lib.count_set.argtypes = [p, i64]
+    lib.count_set.restype = i64
+    lib.compact_codes.argtypes = [p, p, i64, i32, p]
+    lib.compact_codes.restype = None
+    lib.expand_codes.argtypes = [p, i64, p, i64, i32, p]
+    lib.expand_codes.restype = None
     return lib
 
 

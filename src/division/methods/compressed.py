@@ -16,15 +16,16 @@ EXACT_KINDS = ("relu", "maxpool", "dropout", "avgpool")
 class PolicyMethod(Method, metaclass=ABCMeta):
     """A method defined by a codec per tensor; ReLU/dropout masks, max-pool indices and average pools are
     exact in all of them. ``keep_input``: the model's input is held exactly, by reference (the caller's batch),
-    not encoded."""
+    not encoded. ``compact_relu``: codes only for the positive elements of a ReLU output."""
 
     def __init__(self, name=None, layers=compress.LAYER_KINDS, reuse_relu_mask: bool = False,
-                 backend: str = "auto", fuse_bn_relu: bool = False, keep_input: bool = False):
+                 backend: str = "auto", fuse_bn_relu: bool = False, keep_input: bool = False,
+                 compact_relu: bool = False):
         super().__init__(name)
         self.layers = compress.check_layer_kinds(layers)
         self.backend = backend
         self.policy = compress.SavePolicy(self.choose, self.layers, reuse_relu_mask, backend, fuse_bn_relu,
-                                          keep_input)
+                                          keep_input, compact_relu)
 
     @abstractmethod
     def choose(self, kind: str, x: torch.Tensor, split=None):
@@ -73,7 +74,8 @@ class Division(PolicyMethod):
                  min_numel: int = 0, lfc: bool = True, reuse_relu_mask: bool = False,
                  layers=compress.LAYER_KINDS, stochastic: bool = True, backend: str = "auto",
                  fuse_bn_relu: bool = False, stat_dtype: str = "fp32", small_map_elems: int = 0,
-                 small_map_group: int = 256, keep_input: bool = False, single_block_lfc: bool = True):
+                 small_map_group: int = 256, keep_input: bool = False, single_block_lfc: bool = True,
+                 compact_relu: bool = False):
         if not isinstance(single_block_lfc, bool):
             raise ValueError(f"single_block_lfc={single_block_lfc!r} is invalid; valid choices: [True, False]")
         plain = PerChannelCodec(hfc_bits, stochastic, min_numel, backend, stat_dtype)
@@ -85,7 +87,7 @@ class Division(PolicyMethod):
             raise ValueError(f"small_map_elems={small_map_elems!r} is invalid; it must be an integer >= 0 (0: off)")
         self.small_map_elems = small_map_elems
         self.small_codec = GroupwiseCodec(hfc_bits, small_map_group, stochastic, backend, stat_dtype)
-        super().__init__(name, layers, reuse_relu_mask, backend, fuse_bn_relu, keep_input)
+        super().__init__(name, layers, reuse_relu_mask, backend, fuse_bn_relu, keep_input, compact_relu)
         self.notes = ["maps with 1x1 spatial size, fewer than min_numel elements, and 2-D inputs are held in "
                       "bf16; token tensors use the patch grid (prefix tokens in bf16) or pool along tokens"]
 
@@ -111,9 +113,10 @@ class ActNN(PolicyMethod):
 
     def __init__(self, name=None, bits: int = 2, group_size: int = 256, layers=compress.LAYER_KINDS,
                  stochastic: bool = True, backend: str = "auto", fuse_bn_relu: bool = False,
-                 keep_input: bool = False):
+                 keep_input: bool = False, compact_relu: bool = False):
         self.codec = GroupwiseCodec(bits, group_size, stochastic, backend)
-        super().__init__(name, layers, backend=backend, fuse_bn_relu=fuse_bn_relu, keep_input=keep_input)
+        super().__init__(name, layers, backend=backend, fuse_bn_relu=fuse_bn_relu, keep_input=keep_input,
+                         compact_relu=compact_relu)
 
     def choose(self, kind, x, split=None):
         return self.codec.encode(x, split)

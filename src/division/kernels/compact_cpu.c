@@ -1,0 +1,116 @@
+/* A ReLU output's codes kept only where its exact mask is set (division/codecs/compact.py), and back: the
+ * b-bit codes (b in 1, 2, 4, 8; packed LSB first as pack_bits packs them) of the elements whose mask bit is
+ * set, in element order, in a stream packed the same way. Eight elements (one mask byte, b code bytes) at a
+ * time: with BMI2, pext gathers the kept codes and pdep scatters them back. Little-endian. */
+#include <stdint.h>
+#include <string.h>
+#ifdef __BMI2__
+#include <immintrin.h>
+#endif
+
+static void spread_table(int bits, uint64_t table[256]) {
+    /* table[m]: every set bit t of m widened to the b-bit field of element t */
+    const uint64_t ones = (1ull << bits) - 1;
+    for (unsigned m = 0; m < 256; m++) {
+        uint64_t s = 0;
+        for (int t = 0; t < 8; t++)
+            if (m >> t & 1) s |= ones << (t * bits);
+        table[m] = s;
+    }
+}
+
+static inline uint64_t gather(uint64_t word, uint64_t sel) {
+#ifdef __BMI2__
+    return _pext_u64(word, sel);
+#else
+    uint64_t out = 0;
+    int k = 0;
+    for (int i = 0; i < 64; i++)
+        if (sel >> i & 1) out |= (word >> i & 1ull) << k++;
+    return out;
+#endif
+}
+
+static inline uint64_t scatter(uint64_t value, uint64_t sel) {
+#ifdef __BMI2__
+    return _pdep_u64(value, sel);
+#else
+    uint64_t out = 0;
+    int k = 0;
+    for (int i = 0; i < 64; i++)
+        if (sel >> i & 1) out |= (value >> k++ & 1ull) << i;
+    return out;
+#endif
+}
+
+static inline unsigned group_mask(const uint8_t *mask, int64_t g, int64_t numel) {
+    unsigned m = mask[g];
+    const int64_t left = numel - 8 * g;
+    return left < 8 ? m & ((1u << left) - 1) : m;
+}
+
+int64_t count_set(const uint8_t *mask, int64_t numel) {
+    int64_t n = 0;
+    const int64_t groups = (numel + 7) / 8;
+    for (int64_t g = 0; g < groups; g++) n += __builtin_popcount(group_mask(mask, g, numel));
+    return n;
+}
+
+static inline void put_bits(uint64_t v, int n, uint64_t *acc, int *nacc, uint8_t *out, int64_t *o) {
+    /* n <= 32 and *nacc < 8: the accumulator never overflows */
+    *acc |= v << *nacc;
+    *nacc += n;
+    while (*nacc >= 8) {
+        out[(*o)++] = (uint8_t)*acc;
+        *acc >>= 8;
+        *nacc -= 8;
+    }
+}
+
+void compact_codes(const uint8_t *codes, const uint8_t *mask, int64_t numel, int bits, uint8_t *out) {
+    uint64_t table[256];
+    spread_table(bits, table);
+    const int64_t groups = (numel + 7) / 8, code_bytes = (numel * bits + 7) / 8;
+    uint64_t acc = 0;
+    int nacc = 0;
+    int64_t o = 0;
+    for (int64_t g = 0; g < groups; g++) {
+        const unsigned m = group_mask(mask, g, numel);
+        if (!m) continue;
+        uint64_t word = 0;
+        const int64_t at = g * bits, nb = code_bytes - at < bits ? code_bytes - at : bits;
+        memcpy(&word, codes + at, (size_t)nb);
+        const uint64_t kept = gather(word, table[m]);
+        const int n = __builtin_popcount(m) * bits;
+        put_bits(n > 32 ? kept & 0xffffffffull : kept, n > 32 ? 32 : n, &acc, &nacc, out, &o);
+        if (n > 32) put_bits(kept >> 32, n - 32, &acc, &nacc, out, &o);
+    }
+    if (nacc > 0) out[o] = (uint8_t)acc;
+}
+
+void expand_codes(const uint8_t *compact, int64_t count, const uint8_t *mask, int64_t numel, int bits,
+                  uint8_t *out) {
+    /* every byte of out (the full packed codes) is written; unset elements get code 0 */
+    uint64_t table[256];
+    spread_table(bits, table);
+    const int64_t groups = (numel + 7) / 8, code_bytes = (numel * bits + 7) / 8;
+    const int64_t stream_bytes = (count * bits + 7) / 8;
+    int64_t pos = 0;  /* bit position in the compact stream: a multiple of bits, so a whole byte for b = 8 */
+    for (int64_t g = 0; g < groups; g++) {
+        const unsigned m = group_mask(mask, g, numel);
+        uint64_t word = 0;
+        if (m) {
+            const int n = __builtin_popcount(m) * bits;
+            const int64_t byte = pos >> 3;
+            const int64_t avail = stream_bytes - byte < 8 ? stream_bytes - byte : 8;
+            uint64_t v = 0;
+            memcpy(&v, compact + byte, (size_t)avail);
+            v >>= pos & 7;
+            if (n < 64) v &= (1ull << n) - 1;
+            word = scatter(v, table[m]);
+            pos += n;
+        }
+        const int64_t at = g * bits, nb = code_bytes - at < bits ? code_bytes - at : bits;
+        memcpy(out + at, &word, (size_t)nb);
+    }
+}
