@@ -78,3 +78,16 @@ def test_cuda_accounting_matches_allocator(name):
     held = acc.report.held_bytes - (x.untyped_storage().nbytes() if storage_key(x) in
                                     {k[:3] for k in acc.recorder.tensors} else 0)
     assert abs(growth - held) / held < 0.03, (growth, held)
+
+
+def test_cuda_compact_relu_decodes_as_the_masked_codec():
+    """compact_relu on CUDA tensors (codes moved by PyTorch ops, decoded by the Triton kernel)."""
+    from division.codecs.compact import ReluCompacted, compact_relu
+    torch.manual_seed(0)
+    y = torch.relu(torch.randn(4, 8, 28, 28, device="cuda"))
+    mask = BitMask.positive(y)
+    full = DivisionCodec(backend="auto", stochastic=False).encode(y, mask)
+    packed = compact_relu(full, mask)
+    assert isinstance(packed, ReluCompacted) and packed.codes.is_cuda
+    assert torch.equal(packed.decode(), mask.apply(full.decode()))
+    assert packed.nbytes() < full.nbytes()

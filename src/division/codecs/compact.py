@@ -60,12 +60,13 @@ class ReluCompacted(Packed):
     def decode(self) -> torch.Tensor:
         q: QuantizedTensor = getattr(self.inner, self.part)
         rebuilt = {"packed": restore_codes(self.codes, self.count, self.mask, q.rows * q.row_len, q.bits,
-                                           self.compact_backend)}
+                                           self.compact_backend), "zero_unset": q.split is not None}
         if self.minimum is not None:  # the negative side's range is never used: any value serves
             rebuilt["minimum"] = torch.stack([self.minimum, self.minimum], 1).reshape(-1)
             rebuilt["scale"] = torch.stack([self.scale, self.scale], 1).reshape(-1)
         inner = dataclasses.replace(self.inner, **{self.part: dataclasses.replace(q, **rebuilt)})
-        return self.mask.apply(inner.decode())
+        x = inner.decode()  # with a split, its decode gives the zeros itself
+        return x if q.split is not None else self.mask.apply(x, inplace=True)  # a fresh tensor
 
 
 def _kernel(t: torch.Tensor, backend: str):

@@ -98,6 +98,8 @@ class DivisionPacked(Packed):
             return self.hfc.decode(self.dtype, self.lfc, (h, w), self.block_hw).view(n, c, h, w)
         x = self.hfc.decode(torch.float32).view(n, c, h, w)
         add_blocks_(x, self.lfc, self.block_hw)
+        if self.hfc.zero_unset:
+            x = self.hfc.split.apply(x, inplace=True)
         if self.bad_index is not None:
             x.view(-1)[self.bad_index] = self.bad_value.float()
         return x.to(self.dtype)

@@ -60,16 +60,19 @@ class BitMask(Packed):
             torch.autograd.graph.increment_version(x)
         return y, cls(packed, y.shape, "compiled")
 
-    def apply(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` where the mask is set, 0 elsewhere (with the backend that made the mask)."""
+    def apply(self, t: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+        """``t`` where the mask is set, 0 elsewhere (with the backend that made the mask); ``inplace``: into
+        ``t`` itself where the path allows it (a fresh tensor saves the new allocation's page faults)."""
         if self.backend == "triton":
             from division.kernels import triton_codecs
             return triton_codecs.mask_apply(t, self.packed)
         lib = _float_kernel(t, self.backend) if self.backend == "compiled" else None
         if lib is None:
+            if inplace:
+                return t.masked_fill_(self.decode().view(t.shape).logical_not(), 0)
             return torch.where(self.decode().view(t.shape), t, torch.zeros((), dtype=t.dtype, device=t.device))
         tc = t.contiguous()
-        out = torch.empty(t.shape, dtype=t.dtype)
+        out = tc if inplace and tc is t else torch.empty(t.shape, dtype=t.dtype)
         lib.mask_apply(tc.data_ptr(), self.packed.data_ptr(), t.numel(), out.data_ptr(), torch.get_num_threads())
         return out
 

@@ -43,6 +43,7 @@ class QuantizedTensor(Packed):
     backend: str = "reference"
     bad_rows: Optional[torch.Tensor] = None  # Triton: int8 per row, set where the row held NaN or Inf
     split: Optional["BitMask"] = None  # two ranges per row, chosen per element by this exact mask
+    zero_unset: bool = False  # with a split: exactly 0 where it is unset (a ReLU's zeros, codes not held)
     kind = "quantized"
 
     def tensors(self):
@@ -56,6 +57,8 @@ class QuantizedTensor(Packed):
             out = triton_codecs.decode_rows(self.packed, self.minimum, self.scale, self.bad_rows, self.rows,
                                             self.row_len, self.bits, lfc, map_hw, block_hw,
                                             None if self.split is None else self.split.packed)
+            if self.zero_unset:
+                out = self.split.apply(out)
             return out.to(dtype or self.dtype)
         if self.backend == "compiled" and self.bad_index is None:
             return decode_rows_compiled(self).to(dtype or self.dtype)
@@ -64,6 +67,8 @@ class QuantizedTensor(Packed):
             side = self.split.decode().view(self.rows, self.row_len).long()
             mn, sc = self.minimum.float().view(self.rows, 2), self.scale.float().view(self.rows, 2)
             x = codes.float() * sc.gather(1, side) + mn.gather(1, side)
+            if self.zero_unset:  # (an LFC added later by DivisionPacked is masked there)
+                x.masked_fill_(side.logical_not(), 0.0)
             return x.to(dtype or self.dtype)
         x = codes.float().mul_(self.scale.unsqueeze(1)).add_(self.minimum.unsqueeze(1))
         if self.bad_index is not None:
@@ -259,7 +264,7 @@ def decode_rows_compiled(q: "QuantizedTensor", lfc=None, map_hw=None, block_hw=N
     failed = kernels.library().division_decode(
         q.packed.data_ptr(), None if lfc is None else lfc.data_ptr(), minimum.data_ptr(), scale.data_ptr(), q.rows,
         h, w, bh, bw, q.bits, out.data_ptr(), torch.get_num_threads(),
-        None if q.split is None else q.split.packed.data_ptr())
+        None if q.split is None else q.split.packed.data_ptr(), int(q.split is not None and q.zero_unset))
     if failed:
         raise MemoryError(f"decode kernel could not allocate its row buffers ({failed} rows left)")
     return out

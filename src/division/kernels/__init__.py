@@ -56,7 +56,7 @@ def _build() -> ctypes.CDLL:
     lib.division_encode.restype = i32
     lib.pack_codes.argtypes = [p, i64, i32, p, i32]
     lib.pack_codes.restype = None
-    lib.division_decode.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i32, p, i32, p]
+    lib.division_decode.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i32, p, i32, p, i32]
     lib.division_decode.restype = i32
     lib.mask_positive.argtypes = [p, i64, p, i32]
     lib.mask_positive.restype = None

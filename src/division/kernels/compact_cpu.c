@@ -56,14 +56,43 @@ int64_t count_set(const uint8_t *mask, int64_t numel) {
     return n;
 }
 
+static inline uint64_t load_group(const uint8_t *p, int64_t nb, int bits) {
+    /* the codes of eight elements (bits bytes; nb < bits only for the last, partial group) */
+    uint64_t w = 0;
+    if (nb == bits) {
+        switch (bits) {
+            case 1: return p[0];
+            case 2: { uint16_t v; memcpy(&v, p, 2); return v; }
+            case 4: { uint32_t v; memcpy(&v, p, 4); return v; }
+            default: memcpy(&w, p, 8); return w;
+        }
+    }
+    memcpy(&w, p, (size_t)nb);
+    return w;
+}
+
+static inline void store_group(uint8_t *p, uint64_t w, int64_t nb, int bits) {
+    if (nb == bits) {
+        switch (bits) {
+            case 1: p[0] = (uint8_t)w; return;
+            case 2: { uint16_t v = (uint16_t)w; memcpy(p, &v, 2); return; }
+            case 4: { uint32_t v = (uint32_t)w; memcpy(p, &v, 4); return; }
+            default: memcpy(p, &w, 8); return;
+        }
+    }
+    memcpy(p, &w, (size_t)nb);
+}
+
 static inline void put_bits(uint64_t v, int n, uint64_t *acc, int *nacc, uint8_t *out, int64_t *o) {
-    /* n <= 32 and *nacc < 8: the accumulator never overflows */
+    /* n <= 32 and *nacc < 32 before: the accumulator never overflows; 32 bits leave at a time */
     *acc |= v << *nacc;
     *nacc += n;
-    while (*nacc >= 8) {
-        out[(*o)++] = (uint8_t)*acc;
-        *acc >>= 8;
-        *nacc -= 8;
+    if (*nacc >= 32) {
+        const uint32_t word = (uint32_t)*acc;
+        memcpy(out + *o, &word, 4);
+        *o += 4;
+        *acc >>= 32;
+        *nacc -= 32;
     }
 }
 
@@ -77,15 +106,13 @@ void compact_codes(const uint8_t *codes, const uint8_t *mask, int64_t numel, int
     for (int64_t g = 0; g < groups; g++) {
         const unsigned m = group_mask(mask, g, numel);
         if (!m) continue;
-        uint64_t word = 0;
         const int64_t at = g * bits, nb = code_bytes - at < bits ? code_bytes - at : bits;
-        memcpy(&word, codes + at, (size_t)nb);
-        const uint64_t kept = gather(word, table[m]);
+        const uint64_t kept = gather(load_group(codes + at, nb, bits), table[m]);
         const int n = __builtin_popcount(m) * bits;
         put_bits(n > 32 ? kept & 0xffffffffull : kept, n > 32 ? 32 : n, &acc, &nacc, out, &o);
         if (n > 32) put_bits(kept >> 32, n - 32, &acc, &nacc, out, &o);
     }
-    if (nacc > 0) out[o] = (uint8_t)acc;
+    for (; nacc > 0; nacc -= 8, acc >>= 8) out[o++] = (uint8_t)acc;
 }
 
 void expand_codes(const uint8_t *compact, int64_t count, const uint8_t *mask, int64_t numel, int bits,
@@ -104,13 +131,14 @@ void expand_codes(const uint8_t *compact, int64_t count, const uint8_t *mask, in
             const int64_t byte = pos >> 3;
             const int64_t avail = stream_bytes - byte < 8 ? stream_bytes - byte : 8;
             uint64_t v = 0;
-            memcpy(&v, compact + byte, (size_t)avail);
+            if (avail == 8) memcpy(&v, compact + byte, 8);
+            else memcpy(&v, compact + byte, (size_t)avail);
             v >>= pos & 7;
             if (n < 64) v &= (1ull << n) - 1;
             word = scatter(v, table[m]);
             pos += n;
         }
         const int64_t at = g * bits, nb = code_bytes - at < bits ? code_bytes - at : bits;
-        memcpy(out + at, &word, (size_t)nb);
+        store_group(out + at, word, nb, bits);
     }
 }

@@ -219,10 +219,10 @@ int division_encode(const float *x, int64_t maps, int64_t h, int64_t w, int64_t 
 }
 
 /* Returns the number of maps not decoded for lack of memory (the caller raises). lfc == NULL: no LFC (a plain
- * per-map quantizer). */
+ * per-map quantizer). zero_unset (with a split): exactly 0 where the split bit is unset. */
 int division_decode(const uint8_t *packed, const uint16_t *lfc, const float *minimum, const float *scale,
                      int64_t maps, int64_t h, int64_t w, int64_t bh, int64_t bw, int bits, float *out, int threads,
-                     const uint8_t *split) {
+                     const uint8_t *split, int zero_unset) {
     const int64_t hw = h * w, split_nbytes = (maps * hw + 7) / 8;
     const int64_t nblocks = lfc ? ((h + bh - 1) / bh) * ((w + bw - 1) / bw) : 0;
     const int shift = bits == 1 ? 3 : (bits == 2 ? 2 : (bits == 4 ? 1 : 0));  /* log2(codes per byte) */
@@ -257,7 +257,7 @@ int division_decode(const uint8_t *packed, const uint16_t *lfc, const float *min
                 if (!one_block)
                     upsample_map(lfc + m * nblocks, h, w, bh, bw, 0.0f, row, up);
                 split_decode(cbuf, one_block ? NULL : up, lfc && one_block ? bf16_to_f32(lfc[m]) : 0.0f, hw, split,
-                             split_nbytes, m * hw, sbuf, minimum + 2 * m, scale + 2 * m, om);
+                             split_nbytes, m * hw, sbuf, minimum + 2 * m, scale + 2 * m, om, zero_unset);
             } else if (lfc && w >= 16) {  /* wide rows: one upsampled row per block row, no map-sized buffer */
                 const uint16_t *lm = lfc + m * nblocks;
                 const int64_t wb = (w + bw - 1) / bw;

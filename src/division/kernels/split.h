@@ -126,10 +126,10 @@ static void quantize_split(const float *restrict v, int64_t n, const uint8_t *re
 #endif
 
 /* One split map's values: (upsampled LFC, or ``offset`` where up is NULL) + minimum + code * scale of each
- * element's side. */
+ * element's side; with zero_unset, exactly 0 where the split bit is unset (a ReLU output's zeros). */
 static void split_decode(const uint8_t *restrict codes, const float *restrict up, float offset, int64_t n,
                          const uint8_t *restrict split, int64_t nbytes, int64_t base, uint8_t *restrict sbuf,
-                         const float *minimum, const float *scale, float *restrict out) {
+                         const float *minimum, const float *scale, float *restrict out, int zero_unset) {
 #ifdef SPLIT_IN_REGISTERS
     (void)sbuf;
     const __m512 mn0 = _mm512_set1_ps(minimum[0]), mn1 = _mm512_set1_ps(minimum[1]);
@@ -139,8 +139,9 @@ static void split_decode(const uint8_t *restrict codes, const float *restrict up
         const __mmask16 s = side_lanes(split, nbytes, base, e, n, &live);
         const __m512 code = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live, codes + e)));
         const __m512 lo = up ? _mm512_maskz_loadu_ps(live, up + e) : _mm512_set1_ps(offset);
-        _mm512_mask_storeu_ps(out + e, live, _mm512_add_ps(_mm512_add_ps(lo, _mm512_mask_blend_ps(s, mn0, mn1)),
-                                                           _mm512_mul_ps(code, _mm512_mask_blend_ps(s, sc0, sc1))));
+        const __m512 v = _mm512_add_ps(_mm512_add_ps(lo, _mm512_mask_blend_ps(s, mn0, mn1)),
+                                       _mm512_mul_ps(code, _mm512_mask_blend_ps(s, sc0, sc1)));
+        _mm512_mask_storeu_ps(out + e, live, zero_unset ? _mm512_maskz_mov_ps(s, v) : v);
     }
 #else
     (void)nbytes;
@@ -149,7 +150,8 @@ static void split_decode(const uint8_t *restrict codes, const float *restrict up
 #pragma omp simd
     for (int64_t e = 0; e < n; e++) {
         const int s = sbuf[e];
-        out[e] = (up ? up[e] : offset) + (s ? mn1 : mn0) + (float)codes[e] * (s ? sc1 : sc0);
+        const float v = (up ? up[e] : offset) + (s ? mn1 : mn0) + (float)codes[e] * (s ? sc1 : sc0);
+        out[e] = (zero_unset && !s) ? 0.0f : v;
     }
 #endif
 }
