@@ -4,7 +4,7 @@ tensor of the same shape (the memory-speed yardstick). Prints elements per secon
 and writes them with provenance to results/codec/codec_<device>.json; a measurement, not a test.
 
 Like the training runner after its measured steps, it lets glibc reuse freed blocks under 32 MiB
-(``memory.reuse_freed_memory``), so a decode's output comes from the heap instead of fresh pages;
+(``peak.reuse_freed_memory``), so a decode's output comes from the heap instead of fresh pages;
 ``--glibc-default`` leaves the allocator as it starts.
 
     python scripts/bench_codec.py --batch 8 --repeats 5
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from division import memory, results
+from division import peak, results
 from division.codecs import BlpaCodec, DivisionCodec
 
 SHAPES = [(256, 56, 56), (64, 112, 112), (1024, 14, 14), (2048, 7, 7)]  # channels, height, width
@@ -41,7 +41,7 @@ def main(argv=None):
     p.add_argument("--out", default=str(results.ROOT / "results" / "codec" / "codec_cpu.json"))
     p.add_argument("--glibc-default", action="store_true", help="do not change glibc's mmap threshold")
     args = p.parse_args(argv)
-    malloc = "glibc default" if args.glibc_default else ("heap reuse below 32 MiB" if memory.reuse_freed_memory()
+    malloc = "glibc default" if args.glibc_default else ("heap reuse below 32 MiB" if peak.reuse_freed_memory()
                                                          else "glibc default (mallopt unavailable)")
     print(f"threads {torch.get_num_threads()}, batch {args.batch}, {args.bits}-bit HFC, block {args.block}; "
           "median of", args.repeats, "; malloc:", malloc)

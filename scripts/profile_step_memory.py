@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from division import engine, methods, results
-from division.memory import PeakMeter, release_freed_memory
+from division.peak import PeakMeter, release_freed_memory
 from division.models import create_model
 
 

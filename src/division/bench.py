@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from division import engine, methods, results
-from division.memory import PeakMeter, release_freed_memory, reuse_freed_memory
+from division.peak import PeakMeter, release_freed_memory, reuse_freed_memory
 from division.models import create_model, stem_of
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from division import dist
 from division.data import skip_batches
-from division.memory import MemoryReport, PeakMeter, release_freed_memory, reuse_freed_memory
+from division.memory import MemoryReport
+from division.peak import PeakMeter, release_freed_memory, reuse_freed_memory
 
 
 @dataclass

@@ -5,7 +5,7 @@
 Each probe is one benchmark subprocess (``division.bench.measure``, the runner's own training step). GPU:
 the budget is compared with CUDA max allocated. CPU: with the peak resident-memory growth over the training
 steps (model weights excluded; gradients and optimizer state, created by the steps, included), with glibc
-told to return large blocks at free (``memory.release_freed_memory``).
+told to return large blocks at free (``peak.release_freed_memory``).
 """
 import argparse
 import re
