@@ -10,6 +10,7 @@ The codec encodes as usual with the mask as its ``split`` (one range per side: t
 range), then keeps the codes of the positive elements, in order, and the positive side's minimum and scale.
 """
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -105,7 +106,7 @@ def compact_relu(packed: Packed, mask: BitMask, backend: str = "auto") -> Packed
         return packed
     q: QuantizedTensor = getattr(packed, part)
     numel = q.rows * q.row_len
-    if numel != _numel(mask.shape):
+    if numel != math.prod(mask.shape):
         return packed
     kept, count = keep_codes(q.packed, mask, numel, q.bits, backend)
     minimum = scale = None
@@ -117,9 +118,3 @@ def compact_relu(packed: Packed, mask: BitMask, backend: str = "auto") -> Packed
     inner = dataclasses.replace(packed, **{part: dataclasses.replace(q, **emptied)})
     return ReluCompacted(inner, part, kept, count, mask, minimum, scale, backend)
 
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
