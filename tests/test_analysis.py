@@ -2,6 +2,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 
@@ -67,5 +69,9 @@ def test_gradient_error_comparison_smoke(tmp_path):
     rows = report["methods"]
     assert len(rows["division"]["layers"]) == 19 and rows["division"]["minus_baseline"] == 0.0
     assert 9 < rows["division"]["act_compression"] < rows["division:compact_relu=true"]["act_compression"]
+    assert rows["division"]["options_minus_method"] is None
+    pairs = zip(rows["division:compact_relu=true"]["per_batch"], rows["division"]["per_batch"])
+    assert rows["division:compact_relu=true"]["options_minus_method"] == \
+        pytest.approx(sum(a["rel_error"] - b["rel_error"] for a, b in pairs) / 2)
     assert "| method | rel. L2 error | 95 % CI | cosine | first layer (`conv1.weight`) |" in \
         (tmp_path / "gradient_error_smoke.md").read_text()
