@@ -120,7 +120,7 @@ def test_bad_compact_relu_value():
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
-@pytest.mark.parametrize("numel", [1, 8, 13, 1000, 4099])
+@pytest.mark.parametrize("numel", [1, 8, 13, 1000, 4099, 8 * (1 << 14) * 3 + 77])
 def test_kernel_moves_codes_as_pytorch_does(bits, numel):
     """The CPU kernel's kept codes and their restoration agree byte for byte with the PyTorch path (odd
     sizes, empty and full masks included)."""
@@ -142,3 +142,12 @@ def test_kernel_moves_codes_as_pytorch_does(bits, numel):
 def kernel_library_missing():
     from division import kernels
     return kernels.library() is None
+
+
+def test_division_plus_compact_is_division_plus_with_compaction():
+    from division.methods import load_config
+    plus, compact = load_config("division_plus"), load_config("division_plus_compact")
+    assert compact.pop("compact_relu") is True and plus.pop("compact_relu") is False
+    assert compact.pop("name") == "division_plus_compact" and plus.pop("name") == "division_plus"
+    assert compact == plus
+    assert build(load_config("division_plus_compact")).policy.compact_relu

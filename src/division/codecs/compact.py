@@ -81,8 +81,10 @@ def keep_codes(codes: torch.Tensor, mask: BitMask, numel: int, bits: int, backen
         kept = unpack_bits(codes, bits, numel)[mask.decode().reshape(-1)]
         return pack_bits(kept, bits), kept.numel()
     count = lib.count_set(mask.packed.data_ptr(), numel)
-    out = torch.empty(packed_nbytes(count, bits), dtype=torch.uint8)
-    lib.compact_codes(codes.contiguous().data_ptr(), mask.packed.data_ptr(), numel, bits, out.data_ptr())
+    out = torch.zeros(packed_nbytes(count, bits), dtype=torch.uint8)  # chunks OR their shared bytes in
+    if lib.compact_codes(codes.contiguous().data_ptr(), mask.packed.data_ptr(), numel, bits, out.data_ptr(),
+                         torch.get_num_threads()):
+        raise MemoryError("compact_codes could not allocate its chunk table")
     return out, count
 
 
@@ -94,7 +96,9 @@ def restore_codes(kept: torch.Tensor, count: int, mask: BitMask, numel: int, bit
         full[mask.decode().reshape(-1)] = unpack_bits(kept, bits, count)
         return pack_bits(full, bits)
     out = torch.empty(packed_nbytes(numel, bits), dtype=torch.uint8)
-    lib.expand_codes(kept.data_ptr(), count, mask.packed.data_ptr(), numel, bits, out.data_ptr())
+    if lib.expand_codes(kept.data_ptr(), count, mask.packed.data_ptr(), numel, bits, out.data_ptr(),
+                        torch.get_num_threads()):
+        raise MemoryError("expand_codes could not allocate its chunk table")
     return out
 
 

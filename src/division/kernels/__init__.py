@@ -74,10 +74,10 @@ def _build() -> ctypes.CDLL:
     lib.bn_relu_rebuild.restype = None
     lib.count_set.argtypes = [p, i64]
     lib.count_set.restype = i64
-    lib.compact_codes.argtypes = [p, p, i64, i32, p]
-    lib.compact_codes.restype = None
-    lib.expand_codes.argtypes = [p, i64, p, i64, i32, p]
-    lib.expand_codes.restype = None
+    lib.compact_codes.argtypes = [p, p, i64, i32, p, i32]
+    lib.compact_codes.restype = i32
+    lib.expand_codes.argtypes = [p, i64, p, i64, i32, p, i32]
+    lib.expand_codes.restype = i32
     return lib
 
 
