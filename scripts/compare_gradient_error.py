@@ -53,10 +53,11 @@ def main(argv=None):
     for i, (x, y) in enumerate(batches):
         reference = weight_grads(model.train(), x, y)
         for spec in args.methods:
-            errs = gradient_error(model, build(load_config(spec)), x, y, args.draws, reference)
+            config = load_config(spec)
+            errs = gradient_error(model, build(config), x, y, args.draws, reference)
             per_batch[spec].append({"rel_error": statistics.mean(e["rel_error"] for e in errs.values()),
                                     "cosine": statistics.mean(e["cosine"] for e in errs.values()),
-                                    "act_compression": held_compression(model, build(load_config(spec)), x),
+                                    "act_compression": held_compression(model, build(config), x),
                                     "layers": {n: e["rel_error"] for n, e in errs.items()}})
             print(f"batch {i} {spec:48s} rel. error {per_batch[spec][-1]['rel_error']:.4f}", flush=True)
     base = args.methods[0]

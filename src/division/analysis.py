@@ -144,14 +144,12 @@ def held_compression(model: nn.Module, method, x: torch.Tensor) -> float:
     """Activation compression of ``method`` on one training forward of ``model`` over the batch ``x`` (held
     bytes against plain autograd's on the same batch): on trained weights and real data, where what some
     savings keep depends on the values (compact_relu: the ReLU outputs' zeros)."""
-    prepared = copy.deepcopy(model).train()
+    prepared = copy.deepcopy(model).train()  # a copy: its batch-norm statistics may move
     method.prepare(prepared)
-    state = {k: v.clone() for k, v in prepared.state_dict().items()}
     fp = method.fp_reference(prepared, lambda: prepared(x))
     with method.accounting(prepared) as acc:
         out = prepared(x)
     del out
-    prepared.load_state_dict(state)
     return acc.report.use_fp_reference(fp).ratio
 
 

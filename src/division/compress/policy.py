@@ -174,15 +174,16 @@ class SavePolicy:
         if packed is not None:
             record.codec, record.shared = packed.kind, True
         else:
+            compact = self.compact_relu and mask is not None and split is None
+            split = mask if compact else split
             if self.keep_input and self.is_input(x):
                 packed = InputReference.encode(x)
             elif split is not None and self._split_aware:
                 packed = self.choose(kind, x, split)
-            elif self.compact_relu and mask is not None:
-                packed = self.choose(kind, x, mask) if self._split_aware else self.choose(kind, x)
-                packed = compact_relu(packed, mask, self.backend)
             else:
                 packed = self.choose(kind, x)
+            if compact:
+                packed = compact_relu(packed, mask, self.backend)
             record.codec = packed.kind
             record.backend = "" if packed.backend == "none" else packed.backend
             record.held = [(storage_key(t), t.untyped_storage().nbytes()) for t in packed.tensors() if t is not None]
