@@ -7,7 +7,12 @@ Like the training runner after its measured steps, it lets glibc reuse freed blo
 (``peak.reuse_freed_memory``), so a decode's output comes from the heap instead of fresh pages;
 ``--glibc-default`` leaves the allocator as it starts.
 
+``--relu-compact`` measures ``compact_relu`` instead (results/codec/compact_cpu.json): DIVISION on a ReLU
+output, plain and with codes only for its positive elements (the ReLU's mask made beforehand, as the ReLU
+makes it in training), each beside the same copy.
+
     python scripts/bench_codec.py --batch 8 --repeats 5
+    python scripts/bench_codec.py --relu-compact
 """
 import argparse
 import statistics
@@ -18,6 +23,8 @@ import torch
 
 from division import peak, results
 from division.codecs import BlpaCodec, DivisionCodec
+from division.codecs.compact import compact_relu
+from division.codecs.exact import BitMask
 
 SHAPES = [(256, 56, 56), (64, 112, 112), (1024, 14, 14), (2048, 7, 7)]  # channels, height, width
 
@@ -38,9 +45,14 @@ def main(argv=None):
     p.add_argument("--bits", type=int, default=2)
     p.add_argument("--block", type=int, default=8)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--out", default=str(results.ROOT / "results" / "codec" / "codec_cpu.json"))
+    p.add_argument("--out", default=None, help="default: results/codec/codec_cpu.json (compact_cpu.json with "
+                   "--relu-compact)")
+    p.add_argument("--relu-compact", action="store_true", help="DIVISION with and without compact_relu on "
+                   "ReLU outputs")
     p.add_argument("--glibc-default", action="store_true", help="do not change glibc's mmap threshold")
     args = p.parse_args(argv)
+    out = args.out or str(results.ROOT / "results" / "codec" / ("compact_cpu.json" if args.relu_compact
+                                                                 else "codec_cpu.json"))
     malloc = "glibc default" if args.glibc_default else ("heap reuse below 32 MiB" if peak.reuse_freed_memory()
                                                          else "glibc default (mallopt unavailable)")
     print(f"threads {torch.get_num_threads()}, batch {args.batch}, {args.bits}-bit HFC, block {args.block}; "
@@ -56,14 +68,22 @@ def main(argv=None):
                      "encode_ms": copy * 1e3, "encode_gelem_s": x.numel() / copy / 1e9})
         print(f"{'copy_':>8} {str((args.batch, c, h, w)):>18} {'torch':>9} {copy * 1e3:10.1f} "
               f"{x.numel() / copy / 1e9:8.2f}", flush=True)
-        for name, make in (("division", lambda b: DivisionCodec(args.block, args.bits, backend=b)),
-                           ("blpa", lambda b: BlpaCodec(4, backend=b))):
+        if args.relu_compact:
+            x = x.clamp_min_(0)
+            mask = BitMask.positive(x)
+            codecs = (("division", lambda b: DivisionCodec(args.block, args.bits, backend=b), lambda c: c.encode),
+                      ("div+cmp", lambda b: DivisionCodec(args.block, args.bits, backend=b),
+                       lambda c: lambda t: compact_relu(c.encode(t, mask), mask, c.backend)))
+        else:
+            codecs = (("division", lambda b: DivisionCodec(args.block, args.bits, backend=b), lambda c: c.encode),
+                      ("blpa", lambda b: BlpaCodec(4, backend=b), lambda c: c.encode))
+        for name, make, encoder in codecs:
             if name == "blpa" and (c, h, w) != SHAPES[0]:
                 continue
             for backend in ("compiled", "reference"):
-                codec = make(backend)
-                packed = codec.encode(x)
-                enc = timed(lambda: codec.encode(x), args.repeats)
+                encode = encoder(make(backend))
+                packed = encode(x)
+                enc = timed(lambda: encode(x), args.repeats)
                 dec = timed(packed.decode, args.repeats)
                 rows.append({"codec": name, "shape": [args.batch, c, h, w], "backend": packed.backend,
                              "encode_ms": enc * 1e3, "encode_gelem_s": x.numel() / enc / 1e9,
@@ -73,10 +93,11 @@ def main(argv=None):
                 print(f"{name:>8} {str(tuple(r['shape'])):>18} {r['backend']:>9} {r['encode_ms']:10.1f} "
                       f"{r['encode_gelem_s']:8.2f} {r['decode_ms']:10.1f} {r['decode_gelem_s']:8.2f} "
                       f"{r['encode_vs_copy']:8.2f} {r['decode_vs_copy']:8.2f}", flush=True)
-    results.write_json(Path(args.out), {"status": "ok", "threads": torch.get_num_threads(), "bits": args.bits,
-                                        "block": args.block, "repeats": args.repeats, "malloc": malloc, "rows": rows,
-                                        **results.provenance(torch.device("cpu"))})
-    print(f"wrote {results.relative_to_root(args.out)}")
+    results.write_json(Path(out), {"status": "ok", "threads": torch.get_num_threads(), "bits": args.bits,
+                                   "block": args.block, "repeats": args.repeats, "malloc": malloc,
+                                   "relu_compact": args.relu_compact, "rows": rows,
+                                   **results.provenance(torch.device("cpu"))})
+    print(f"wrote {results.relative_to_root(out)}")
 
 if __name__ == "__main__":
     main()

@@ -123,15 +123,18 @@ def test_bad_compact_relu_value():
 @pytest.mark.parametrize("numel", [1, 8, 13, 1000, 4099, 8 * (1 << 14) * 3 + 77])
 def test_kernel_moves_codes_as_pytorch_does(bits, numel):
     """The CPU kernel's kept codes and their restoration agree byte for byte with the PyTorch path (odd
-    sizes, empty and full masks included)."""
+    sizes, empty and full masks included, and a parallel chunk with nothing kept between two that keep some)."""
     from division.codecs.compact import keep_codes, restore_codes
     from division.codecs.packing import pack_bits
     if kernel_library_missing():
         pytest.skip("no C compiler: the PyTorch path is the only one")
     torch.manual_seed(numel + bits)
     codes = pack_bits(torch.randint(0, 1 << bits, (numel,), dtype=torch.uint8), bits)
-    for density in (0.0, 0.3, 1.0):
-        mask = BitMask.encode(torch.rand(numel) < density)
+    gap = torch.rand(numel) < 0.3
+    gap[numel // 3: 2 * numel // 3] = False
+    for set_bits in (torch.zeros(numel, dtype=torch.bool), torch.rand(numel) < 0.3, gap,
+                     torch.ones(numel, dtype=torch.bool)):
+        mask = BitMask.encode(set_bits)
         ref, ref_count = keep_codes(codes, mask, numel, bits, "reference")
         fast, count = keep_codes(codes, mask, numel, bits, "compiled")
         assert count == ref_count and torch.equal(fast, ref)
