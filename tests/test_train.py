@@ -255,3 +255,23 @@ def test_run_resumed_mid_epoch_ends_as_an_uninterrupted_one(tmp_path, monkeypatc
 def test_mid_epoch_checkpoints_need_a_resumable_loader(tmp_path):
     with pytest.raises(ValueError, match=r"trainer.checkpoint_every_steps=-1 is invalid; it must be >= 0"):
         run_train(SYN + ["method=fp", "trainer.checkpoint_every_steps=-1"], tmp_path)
+
+
+def test_dirty_flag_ignores_results_but_not_code(tmp_path):
+    """A suite rerun rewrites committed result files as it goes: that must not mark its later rows dirty,
+    while any change to code or configs must."""
+    from division.results import git_state
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "row.json").write_text("{}")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    (tmp_path / "results" / "row.json").write_text('{"rerun": true}')
+    sha, dirty = git_state(tmp_path)
+    assert sha and dirty is False
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert git_state(tmp_path)[1] is True

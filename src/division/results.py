@@ -48,10 +48,13 @@ def config_hash(cfg: Dict) -> str:
 
 
 def git_state(cwd=None):
+    """(HEAD's commit, whether tracked files outside ``results/`` differ from it). Results are outputs: a suite
+    rerun over committed result files changes them as it goes, and that must not mark its later rows dirty."""
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
                              timeout=10).stdout.strip() or None
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                     ":(top,exclude)results"], cwd=cwd,
                                     capture_output=True, text=True, timeout=10).stdout.strip())
         return sha, dirty
     except (OSError, subprocess.SubprocessError):
