@@ -39,6 +39,17 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def parse_shapes(text: str):
+    try:
+        shapes = [tuple(int(v) for v in item.split("x")) for item in text.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 3 or min(s) < 1 for s in shapes):
+        raise argparse.ArgumentTypeError(f"--shapes {text!r}: expected positive CxHxW maps, comma-separated, "
+                                         "e.g. 256x56x56,2048x7x7")
+    return shapes
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=8)
@@ -49,6 +60,9 @@ def main(argv=None):
                    "--relu-compact)")
     p.add_argument("--relu-compact", action="store_true", help="DIVISION with and without compact_relu on "
                    "ReLU outputs")
+    p.add_argument("--shapes", type=parse_shapes, default=SHAPES,
+                   help="maps as CxHxW, comma-separated (default: ResNet-50's " +
+                   ",".join("x".join(map(str, s)) for s in SHAPES) + ")")
     p.add_argument("--glibc-default", action="store_true", help="do not change glibc's mmap threshold")
     args = p.parse_args(argv)
     out = args.out or str(results.ROOT / "results" / "codec" / ("compact_cpu.json" if args.relu_compact
@@ -60,7 +74,7 @@ def main(argv=None):
     print(f"{'codec':>8} {'shape':>18} {'backend':>9} {'encode ms':>10} {'Gelem/s':>8} {'decode ms':>10} {'Gelem/s':>8} {'enc/copy':>8} {'dec/copy':>8}")
     torch.manual_seed(0)
     rows = []
-    for c, h, w in SHAPES:
+    for c, h, w in args.shapes:
         x = torch.randn(args.batch, c, h, w)
         y = torch.empty_like(x)
         copy = timed(lambda: y.copy_(x), args.repeats)
@@ -78,7 +92,7 @@ def main(argv=None):
             codecs = (("division", lambda b: DivisionCodec(args.block, args.bits, backend=b), lambda c: c.encode),
                       ("blpa", lambda b: BlpaCodec(4, backend=b), lambda c: c.encode))
         for name, make, encoder in codecs:
-            if name == "blpa" and (c, h, w) != SHAPES[0]:
+            if name == "blpa" and (c, h, w) != args.shapes[0]:
                 continue
             for backend in ("compiled", "reference"):
                 encode = encoder(make(backend))

@@ -236,3 +236,26 @@ def test_accuracy_speed_only_from_runs_with_fp_thread_count(tmp_path):
     ok = [run("fp", 0, 200.0, 1), run("fp", 1, 200.0, 1), run("division", 0, 150.0, 1), run("division", 1, 400.0, 2)]
     text = make_tables.accuracy_table(ok, {}, tmp_path, "exp")[0]
     assert "| 150.0 (0.75) [1 of 2 runs] |" in text
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_codec_benchmark_writes_every_row(tmp_path, compact):
+    """scripts/bench_codec.py on small maps: a copy_ row per shape and both backends of each codec."""
+    out = tmp_path / "codec.json"
+    cmd = [sys.executable, "scripts/bench_codec.py", "--batch", "2", "--repeats", "1", "--shapes", "16x16x16,32x7x7",
+           "--out", str(out)] + (["--relu-compact"] if compact else [])
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    assert rec["status"] == "ok" and rec["relu_compact"] is compact and rec["git_sha"]
+    codecs = {r["codec"] for r in rec["rows"]}
+    assert codecs == ({"copy_", "division", "div+cmp"} if compact else {"copy_", "division", "blpa"})
+    timed = [r for r in rec["rows"] if r["codec"] != "copy_"]
+    assert all(r["encode_ms"] > 0 and r["decode_ms"] > 0 for r in timed)
+    assert {r["backend"] for r in timed} >= {"reference"}
+
+
+def test_codec_benchmark_rejects_bad_shapes():
+    proc = subprocess.run([sys.executable, "scripts/bench_codec.py", "--shapes", "16x16"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "CxHxW" in proc.stderr
