@@ -53,7 +53,7 @@ def git_state(cwd=None):
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
                              timeout=10).stdout.strip() or None
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/",
                                      ":(top,exclude)results"], cwd=cwd,
                                     capture_output=True, text=True, timeout=10).stdout.strip())
         return sha, dirty
