@@ -9,7 +9,7 @@ export DATA_DIR := $(abspath ../shared/datasets)
 endif
 endif
 
-.PHONY: setup train test test-slow tables analysis bench clean
+.PHONY: setup train test test-slow test-portable tables analysis bench clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,12 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow $(ARGS)
+
+# the codec tests with the C kernels built as for CPUs without AVX-512, then without AVX-512 and BMI2
+PORTABLE_TESTS = tests/test_codecs.py tests/test_compact.py tests/test_fused.py
+test-portable: setup
+	DIVISION_KERNEL_FLAGS="-mno-avx512f" $(PY) -m pytest -q $(PORTABLE_TESTS) $(ARGS)
+	DIVISION_KERNEL_FLAGS="-mno-avx512f -mno-bmi2" $(PY) -m pytest -q $(PORTABLE_TESTS) $(ARGS)
 
 tables: setup
 	$(PY) scripts/make_tables.py

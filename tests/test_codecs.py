@@ -269,6 +269,20 @@ def test_no_compiler_falls_back_to_pytorch(tmp_path):
     assert set(result["codec_backends"]) == {"reference"}
 
 
+def test_extra_kernel_flags_reach_the_compiler(tmp_path):
+    """DIVISION_KERNEL_FLAGS (make test-portable) is passed to the compiler: a flag it rejects gives the reference
+    path with a warning that says why, not a silently different build."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, DIVISION_KERNEL_FLAGS="-mno-such-flag", DIVISION_KERNEL_CACHE=str(tmp_path / "cache"))
+    code = ("import warnings; warnings.simplefilter('always'); from division import kernels; "
+            "print('available', kernels.available())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "available False" in proc.stdout and "-mno-such-flag" in proc.stderr
+
+
 @pytest.mark.parametrize("backend", ["reference", "compiled"])
 @pytest.mark.parametrize("make", [lambda b: DivisionCodec(hfc_bits=2, backend=b, stat_dtype="bf16"),
                                   lambda b: PerChannelCodec(bits=2, backend=b, stat_dtype="bf16")])

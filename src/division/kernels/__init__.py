@@ -1,6 +1,7 @@
 """Optional compiled CPU kernels, built on first use with the system C compiler into a per-user cache
-(keyed by the source's hash) and loaded with ctypes. If no compiler is available the reference
-implementation is used; ``available()`` says which."""
+(keyed by the source's hash and the flags) and loaded with ctypes. If no compiler is available the reference
+implementation is used; ``available()`` says which. ``DIVISION_KERNEL_FLAGS`` adds compiler flags, e.g.
+``-mno-avx512f -mno-bmi2`` to build and test here the paths that CPUs without those extensions take."""
 import ctypes
 import hashlib
 import os
@@ -36,9 +37,14 @@ def _machine() -> str:
     return platform.machine() + model
 
 
+def _flags():
+    return _FLAGS + tuple(os.environ.get("DIVISION_KERNEL_FLAGS", "").split())
+
+
 def _build() -> ctypes.CDLL:
     src = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
-    tag = hashlib.sha1(src + _machine().encode() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    flags = _flags()
+    tag = hashlib.sha1(src + _machine().encode() + " ".join(flags).encode()).hexdigest()[:16]
     lib_path = _cache_dir() / f"division_cpu_{tag}.so"
     if not lib_path.exists():
         chosen = os.environ.get("CC")  # CC names the compiler; only without it are cc and gcc tried
@@ -48,7 +54,7 @@ def _build() -> ctypes.CDLL:
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
             out = Path(tmp) / lib_path.name
-            subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(out), "-lm"], check=True, capture_output=True, timeout=120)
+            subprocess.run([compiler, *flags, *map(str, _SOURCES), "-o", str(out), "-lm"], check=True, capture_output=True, timeout=120)
             os.replace(out, lib_path)
     lib = ctypes.CDLL(str(lib_path))
     p, i64, i32, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64

@@ -4,9 +4,6 @@
 #define DIVISION_BITS_H
 #include <stdint.h>
 #include <string.h>
-#ifdef __BMI2__
-#include <immintrin.h>
-#endif
 
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
@@ -141,12 +138,10 @@ static inline void split_bits(const uint8_t *restrict split, int64_t base, int64
     if ((base & 7) == 0) {  /* whole bytes: bit t of byte k -> sbuf[8k + t], one word per byte */
         const uint8_t *restrict s = split + (base >> 3);
         for (; e + 8 <= n; e += 8) {
-#ifdef __BMI2__
-            const uint64_t v = _pdep_u64(s[e >> 3], 0x0101010101010101ull);
-#else
-            uint64_t v = 0;
-            for (int t = 0; t < 8; t++) v |= (uint64_t)((s[e >> 3] >> t) & 1u) << (8 * t);
-#endif
+            /* the byte copied into all eight lanes, lane t keeps bit t, any non-zero lane becomes 1: plain
+             * arithmetic (pdep does it in one instruction on Intel, but is microcoded and slow on AMD Zen 1-2) */
+            const uint64_t picked = (s[e >> 3] * 0x0101010101010101ull) & 0x8040201008040201ull;
+            const uint64_t v = ((picked + 0x7F7F7F7F7F7F7F7Full) >> 7) & 0x0101010101010101ull;
             memcpy(sbuf + e, &v, 8);
         }
     }
