@@ -74,6 +74,10 @@ def main(argv=None):
     print(f"{'codec':>8} {'shape':>18} {'backend':>9} {'encode ms':>10} {'Gelem/s':>8} {'decode ms':>10} {'Gelem/s':>8} {'enc/copy':>8} {'dec/copy':>8}")
     torch.manual_seed(0)
     rows = []
+
+    def division(backend):
+        return DivisionCodec(args.block, args.bits, backend=backend)
+
     for c, h, w in args.shapes:
         x = torch.randn(args.batch, c, h, w)
         y = torch.empty_like(x)
@@ -82,15 +86,14 @@ def main(argv=None):
                      "encode_ms": copy * 1e3, "encode_gelem_s": x.numel() / copy / 1e9})
         print(f"{'copy_':>8} {str((args.batch, c, h, w)):>18} {'torch':>9} {copy * 1e3:10.1f} "
               f"{x.numel() / copy / 1e9:8.2f}", flush=True)
+        codecs = [("division", division, lambda c: c.encode)]
         if args.relu_compact:
             x = x.clamp_min_(0)
             mask = BitMask.positive(x)
-            codecs = (("division", lambda b: DivisionCodec(args.block, args.bits, backend=b), lambda c: c.encode),
-                      ("div+cmp", lambda b: DivisionCodec(args.block, args.bits, backend=b),
-                       lambda c: lambda t: compact_relu(c.encode(t, mask), mask, c.backend)))
+            codecs.append(("div+cmp", division,
+                           lambda c: lambda t: compact_relu(c.encode(t, mask), mask, c.backend)))
         else:
-            codecs = (("division", lambda b: DivisionCodec(args.block, args.bits, backend=b), lambda c: c.encode),
-                      ("blpa", lambda b: BlpaCodec(4, backend=b), lambda c: c.encode))
+            codecs.append(("blpa", lambda b: BlpaCodec(4, backend=b), lambda c: c.encode))
         for name, make, encoder in codecs:
             if name == "blpa" and (c, h, w) != args.shapes[0]:
                 continue
