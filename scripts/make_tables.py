@@ -268,11 +268,25 @@ def _threads(run):
     return ((run.get("config") or {}).get("trainer") or {}).get("threads")
 
 
-def _mean_speed(records, threads=None):
-    """Mean speed over the runs that ran with ``threads`` CPU threads (all runs when None), and their count."""
-    values = [s for r in records if threads is None or _threads(r) == threads
-              for s in [_run_speed(r)] if s is not None]
-    return (statistics.mean(values) if values else None), len(values)
+def _speed_cell(records, fp_records):
+    """Speed of a method's runs: the mean img/s per thread count, and the mean ratio to fp over the seeds whose
+    fp run used the same thread count (a 1-thread run beside another run and a 2-thread run alone are not
+    comparable, so only such pairs give a ratio)."""
+    by_threads = defaultdict(list)
+    for r in records:
+        if _run_speed(r) is not None:
+            by_threads[_threads(r)].append(_run_speed(r))
+    if not by_threads:
+        return ""
+    fp_of = {(r.get("seed"), _threads(r)): _run_speed(r) for r in fp_records if _run_speed(r)}
+    ratios = [_run_speed(r) / fp_of[(r.get("seed"), _threads(r))] for r in records
+              if _run_speed(r) is not None and (r.get("seed"), _threads(r)) in fp_of]
+    speeds = "; ".join(f"{statistics.mean(v):.1f}" + (f" @{t} thr" if len(by_threads) > 1 else "")
+                       for t, v in sorted(by_threads.items(), key=lambda kv: str(kv[0])))
+    if not ratios:
+        return speeds
+    paired = "" if len(ratios) == len(records) else f" [{len(ratios)} of {len(records)} runs]"
+    return f"{speeds} ({statistics.mean(ratios):.2f}){paired}"
 
 
 def accuracy_tables(runs, paper, out: Path, only=None):
@@ -297,21 +311,15 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
     header = ["experiment", "data", "model", "method", "top-1 % (mean ± std)", "best top-1 %", "n", "gap to fp",
               "activation compression", "img/s (rel. to fp)", "commit(s)", "paper top-1 %"]
     rows = []
-    fp = {}
-    for (exp, data, model, method), recs in groups.items():
-        if method == "fp":
-            counts = {_threads(r) for r in recs}
-            threads = counts.pop() if len(counts) == 1 else None
-            fp[(exp, data, model)] = (statistics.mean(r["top1"] for r in recs), _mean_speed(recs)[0], threads)
+    fp = {key[:3]: recs for key, recs in groups.items() if key[3] == "fp"}
     mixed = []
     for (exp, data, model, method), recs in sorted(groups.items(), key=lambda kv: (kv[0][:3], _rank(kv[0][3]))):
         mean, std = _mean_std([r["top1"] for r in recs])
         best = _mean_std([r["best_top1"] for r in recs if r.get("best_top1") is not None])
-        fp_top1, fp_speed, fp_threads = fp.get((exp, data, model), (None, None, None))
-        gap = "" if fp_top1 is None else f"{mean - fp_top1:+.2f}"
+        fp_recs = fp.get((exp, data, model), [])
+        gap = "" if not fp_recs else f"{mean - statistics.mean(r['top1'] for r in fp_recs):+.2f}"
         compression = _mean_of(recs, "act_compression")
         without_input = _mean_of(recs, "act_compression_without_input")
-        speed, timed = _mean_speed(recs, fp_threads)
         label, warning = commits(recs)
         if warning:
             mixed.append(method)
@@ -326,17 +334,17 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
                      "" if best[0] is None else f"{best[0]:.2f} ± {best[1]:.2f}", len(recs), gap,
                      ("" if compression is None else f"{compression:.2f}x")
                      + ("" if without_input is None else f" ({without_input:.2f}x without input)"),
-                     "" if speed is None else f"{speed:.1f}" + ("" if not fp_speed else f" ({speed / fp_speed:.2f})")
-                     + ("" if timed == len(recs) else f" [{timed} of {len(recs)} runs]"),
+                     _speed_cell(recs, fp_recs),
                      label, pval])
     warning = f" WARNING: rows mixing commits or uncommitted code: {', '.join(mixed)}." if mixed else ""
     text = _write_table(out / f"accuracy_{experiment}", header, rows,
                         f"Experiment {experiment}: test top-1 accuracy at the last epoch and the best epoch, mean ± "
                         "std over seeds (n runs); gap = method mean - fp mean; activation compression of the "
-                        "first training step (and without the model's input, where recorded) and training throughput (per run the median over its epochs), means over "
-                        "the same runs, leaving out runs whose recorded thread count differs from fp's ([k of n "
-                        "runs]); runs that shared the CPU with other work are slowed by it, so these speeds are "
-                        "indicative only: the paired benchmarks (throughput_paired) measure speed. "
+                        "first training step (and without the model's input, where recorded), mean over the "
+                        "same runs; training throughput per run is the median over its epochs, shown as the mean "
+                        "per thread count and, in brackets, the mean ratio to fp's run of the same seed and thread "
+                        "count ([k of n runs] where only k have such a pair); runs that shared the CPU with other "
+                        "work are slowed by it, so these speeds are indicative only: the paired benchmarks (throughput_paired) measure speed. "
                         "Each row should come from one clean commit (listed per row). Paper figures appear beside "
                         f"runs of the paper's own recipes (experiments paper_*).{warning}")
     acc = paper.get("accuracy_top1_percent", {})

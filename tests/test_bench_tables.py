@@ -153,10 +153,10 @@ def test_tables_from_fixtures(tmp_path):
     assert "| cpu_repeat | resnet50 | 8 | division | none | 3.00 | 3.00-4.50 (3) | 0.75 |" in \
         (tables / "throughput.md").read_text()
     acc = (tables / "accuracy_cifar10_resnet20_cpu.md").read_text()
-    # fp: last 61.00 ± 1.41, best 62.00 ± 1.41 (n 2); division from one commit, 120 img/s = 0.80 of fp's 150
-    # (speeds: per run the median over epochs, not the last epoch's figure)
+    # fp: last 61.00 ± 1.41, best 62.00 ± 1.41 (n 2); division from one commit, 120 img/s = 0.60 of fp's seed-0
+    # run, 200 img/s (speeds: per run the median over epochs, not the last epoch's figure; ratios paired by seed)
     assert "| fp | 61.00 ± 1.41 | 62.00 ± 1.41 | 2 | +0.00 | 1.00x | 150.0 (1.00) | abcdef12, abcdef99 |" in acc
-    assert ("| division | 59.00 ± 0.00 | 60.00 ± 0.00 | 1 | -2.00 | 9.50x (9.60x without input) | 120.0 (0.80) "
+    assert ("| division | 59.00 ± 0.00 | 60.00 ± 0.00 | 1 | -2.00 | 9.50x (9.60x without input) | 120.0 (0.60) "
             "| 99999999 |") in acc
     assert "11.00" not in acc and not (tables / "accuracy_check.md").exists()  # smoke runs stay out
     assert "WARNING: rows mixing commits or uncommitted code: fp." in acc
@@ -224,6 +224,7 @@ def test_bench_model_specs_with_options(tmp_path):
 
 
 def test_accuracy_speed_only_from_runs_with_fp_thread_count(tmp_path):
+    """Speed ratios pair a run with fp's run of the same seed and thread count, whatever fp's other runs used."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import make_tables
 
@@ -235,7 +236,11 @@ def test_accuracy_speed_only_from_runs_with_fp_thread_count(tmp_path):
                 "_path": f"exp/{method}-{seed}/result.json"}
     ok = [run("fp", 0, 200.0, 1), run("fp", 1, 200.0, 1), run("division", 0, 150.0, 1), run("division", 1, 400.0, 2)]
     text = make_tables.accuracy_table(ok, {}, tmp_path, "exp")[0]
-    assert "| 150.0 (0.75) [1 of 2 runs] |" in text
+    assert "| 150.0 @1 thr; 400.0 @2 thr (0.75) [1 of 2 runs] |" in text
+    ok += [run("fp", 2, 800.0, 2), run("division", 2, 400.0, 2)]  # fp itself now mixes thread counts
+    text = make_tables.accuracy_table(ok, {}, tmp_path, "exp")[0]
+    assert "| 150.0 @1 thr; 400.0 @2 thr (0.62) [2 of 3 runs] |" in text
+    assert "| 200.0 @1 thr; 800.0 @2 thr (1.00) |" in text
 
 
 @pytest.mark.parametrize("compact", [False, True])
