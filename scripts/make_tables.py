@@ -7,6 +7,7 @@ import argparse
 import csv
 import io
 import json
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -268,21 +269,28 @@ def _threads(run):
     return ((run.get("config") or {}).get("trainer") or {}).get("threads")
 
 
+def _where(run):
+    """Where a run's speed was measured, shortly: the processor and the thread count (e.g. "Xeon 1 thr")."""
+    device = re.sub(r"\((R|TM)\)|Processor|CPU|@.*?GHz", "", str(run.get("device") or ""))
+    device = re.sub(r"^cpu: (Intel )?|, \d+ logical cores.*$", "", device)
+    return f"{' '.join(device.split()) or '?'} {_threads(run)} thr"
+
+
 def _speed_cell(records, fp_records):
-    """Speed of a method's runs: the mean img/s per thread count, and the mean ratio to fp over the seeds whose
-    fp run used the same thread count (a 1-thread run beside another run and a 2-thread run alone are not
-    comparable, so only such pairs give a ratio)."""
-    by_threads = defaultdict(list)
+    """Speed of a method's runs: the mean img/s per processor and thread count, and the mean ratio to fp over
+    the seeds whose fp run ran on the same processor with the same thread count (runs on other machines, or
+    a 1-thread run beside another run against a 2-thread run alone, are not comparable)."""
+    by_where = defaultdict(list)
     for r in records:
         if _run_speed(r) is not None:
-            by_threads[_threads(r)].append(_run_speed(r))
-    if not by_threads:
+            by_where[_where(r)].append(_run_speed(r))
+    if not by_where:
         return ""
-    fp_of = {(r.get("seed"), _threads(r)): _run_speed(r) for r in fp_records if _run_speed(r)}
-    ratios = [_run_speed(r) / fp_of[(r.get("seed"), _threads(r))] for r in records
-              if _run_speed(r) is not None and (r.get("seed"), _threads(r)) in fp_of]
-    speeds = "; ".join(f"{statistics.mean(v):.1f}" + (f" @{t} thr" if len(by_threads) > 1 else "")
-                       for t, v in sorted(by_threads.items(), key=lambda kv: str(kv[0])))
+    fp_of = {(r.get("seed"), _where(r)): _run_speed(r) for r in fp_records if _run_speed(r)}
+    ratios = [_run_speed(r) / fp_of[(r.get("seed"), _where(r))] for r in records
+              if _run_speed(r) is not None and (r.get("seed"), _where(r)) in fp_of]
+    speeds = "; ".join(f"{statistics.mean(v):.1f}" + (f" @{w}" if len(by_where) > 1 else "")
+                       for w, v in sorted(by_where.items()))
     if not ratios:
         return speeds
     paired = "" if len(ratios) == len(records) else f" [{len(ratios)} of {len(records)} runs]"
@@ -342,8 +350,8 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
                         "std over seeds (n runs); gap = method mean - fp mean; activation compression of the "
                         "first training step (and without the model's input, where recorded), mean over the "
                         "same runs; training throughput per run is the median over its epochs, shown as the mean "
-                        "per thread count and, in brackets, the mean ratio to fp's run of the same seed and thread "
-                        "count ([k of n runs] where only k have such a pair); runs that shared the CPU with other "
+                        "per processor and thread count and, in brackets, the mean ratio to fp's run of the same "
+                        "seed, processor and thread count ([k of n runs] where only k have such a pair); runs that shared the CPU with other "
                         "work are slowed by it, so these speeds are indicative only: the paired benchmarks (throughput_paired) measure speed. "
                         "Each row should come from one clean commit (listed per row). Paper figures appear beside "
                         f"runs of the paper's own recipes (experiments paper_*).{warning}")
@@ -490,7 +498,7 @@ def _plot_accuracy_curves(ok, path, experiment):
         if len(runs) > 1:
             ax.fill_between(epochs, [min(curves[e]) for e in epochs], [max(curves[e]) for e in epochs],
                             color=colour, alpha=0.2, linewidth=0)
-    devices = sorted({r.get("device", "?") for r in ok})
+    devices = sorted({re.sub(r", \d+ torch threads?$", "", r.get("device", "?")) for r in ok})  # threads: per run
     ax.set_title(f"{experiment}: test top-1 vs epoch (mean over seeds, band = min-max)\n" + "; ".join(devices),
                  fontsize=7)
     ax.set_xlabel("epoch")

@@ -223,24 +223,29 @@ def test_bench_model_specs_with_options(tmp_path):
     assert rec["model"] == "resnet20:width_mult=2" and [m["method"] for m in rec["methods"]] == ["fp", "wrpn"]
 
 
-def test_accuracy_speed_only_from_runs_with_fp_thread_count(tmp_path):
-    """Speed ratios pair a run with fp's run of the same seed and thread count, whatever fp's other runs used."""
+def test_accuracy_speed_ratios_pair_seed_processor_and_threads(tmp_path):
+    """Speed ratios pair a run with fp's run of the same seed on the same processor with the same thread
+    count, whatever fp's other runs used."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import make_tables
 
-    def run(method, seed, speed, threads):
+    def run(method, seed, speed, threads, cpu="Intel(R) Xeon(R) Processor"):
         return {"status": "ok", "experiment": "exp", "data": "cifar10", "model": "resnet20", "method": method,
                 "seed": seed, "top1": 80.0, "best_top1": 80.0, "epochs": [{"epoch": 1, "top1": 80.0,
                 "throughput_img_s": speed}], "act_compression": 10.0, "throughput_img_s": speed,
                 "config": {"trainer": {"threads": threads}}, "git_sha": "abcdef12", "git_dirty": False,
+                "device": f"cpu: {cpu}, 2 logical cores, {threads} torch threads",
                 "_path": f"exp/{method}-{seed}/result.json"}
     ok = [run("fp", 0, 200.0, 1), run("fp", 1, 200.0, 1), run("division", 0, 150.0, 1), run("division", 1, 400.0, 2)]
     text = make_tables.accuracy_table(ok, {}, tmp_path, "exp")[0]
-    assert "| 150.0 @1 thr; 400.0 @2 thr (0.75) [1 of 2 runs] |" in text
+    assert "| 150.0 @Xeon 1 thr; 400.0 @Xeon 2 thr (0.75) [1 of 2 runs] |" in text
     ok += [run("fp", 2, 800.0, 2), run("division", 2, 400.0, 2)]  # fp itself now mixes thread counts
     text = make_tables.accuracy_table(ok, {}, tmp_path, "exp")[0]
-    assert "| 150.0 @1 thr; 400.0 @2 thr (0.62) [2 of 3 runs] |" in text
-    assert "| 200.0 @1 thr; 800.0 @2 thr (1.00) |" in text
+    assert "| 150.0 @Xeon 1 thr; 400.0 @Xeon 2 thr (0.62) [2 of 3 runs] |" in text
+    assert "| 200.0 @Xeon 1 thr; 800.0 @Xeon 2 thr (1.00) |" in text
+    ok[-1] = run("division", 2, 400.0, 2, cpu="AMD EPYC")  # another machine: no pair for seed 2
+    text = make_tables.accuracy_table(ok, {}, tmp_path, "exp")[0]
+    assert "| 400.0 @AMD EPYC 2 thr; 150.0 @Xeon 1 thr; 400.0 @Xeon 2 thr (0.75) [1 of 3 runs] |" in text
 
 
 @pytest.mark.parametrize("compact", [False, True])
