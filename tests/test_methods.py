@@ -381,3 +381,24 @@ def test_single_block_maps_without_lfc_decode_alike_for_16_bits_less_per_map():
     assert torch.equal(packs[True][1].decode(), packs[False][1].decode())  # 16x16 at B=8: four blocks, LFC kept
     with pytest.raises(ValueError, match=r"single_block_lfc='no' is invalid; valid choices: \[True, False\]"):
         build({"name": "division", "single_block_lfc": "no"})
+
+
+@pytest.mark.parametrize("size, stride, bias", [(8, 1, False), (8, 2, True), (58, 1, True), (58, 2, False)])
+def test_pointwise_conv_backward_both_paths_exact(size, stride, bias):
+    """1x1 convolutions take per-sample products on large maps (>= 29x29 output pixels) and the library's
+    kernels on small ones; with a lossless codec both give plain autograd's gradients."""
+    from division import compress
+    from division.compress.linear import _PER_SAMPLE_MIN_PIXELS
+    assert ((size // stride) ** 2 >= _PER_SAMPLE_MIN_PIXELS) == (size == 58)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(6, 5, 1, stride=stride, bias=bias), nn.Flatten(), nn.LazyLinear(3))
+    x = torch.randn(3, 6, size, size)
+    ref(x)
+    model = copy.deepcopy(ref)
+    compress.install(model, compress.SavePolicy(compress.full_copy))
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    for net, inp in ((ref, xs[0]), (model, xs[1])):
+        net(inp).square().sum().backward()
+    torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=1e-5, atol=1e-5)
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-4, msg=name)
