@@ -269,26 +269,30 @@ def _threads(run):
     return ((run.get("config") or {}).get("trainer") or {}).get("threads")
 
 
-def _where(run):
-    """Where a run's speed was measured, shortly: the processor and the thread count (e.g. "Xeon 1 thr")."""
+def _processor(run):
+    """A run's processor, shortly ("Xeon", "AMD EPYC"), from its recorded device."""
     device = re.sub(r"\((R|TM)\)|Processor|CPU|@.*?GHz", "", str(run.get("device") or ""))
     device = re.sub(r"^cpu: (Intel )?|, \d+ logical cores.*$", "", device)
-    return f"{' '.join(device.split()) or '?'} {_threads(run)} thr"
+    return " ".join(device.split()) or "?"
+
+
+def _where(run):
+    """Where a run's speed was measured: the processor and the thread count (e.g. "Xeon 1 thr")."""
+    return f"{_processor(run)} {_threads(run)} thr"
 
 
 def _speed_cell(records, fp_records):
     """Speed of a method's runs: the mean img/s per processor and thread count, and the mean ratio to fp over
     the seeds whose fp run ran on the same processor with the same thread count (runs on other machines, or
     a 1-thread run beside another run against a 2-thread run alone, are not comparable)."""
-    by_where = defaultdict(list)
-    for r in records:
-        if _run_speed(r) is not None:
-            by_where[_where(r)].append(_run_speed(r))
-    if not by_where:
+    timed = [(r, s) for r in records for s in [_run_speed(r)] if s is not None]
+    if not timed:
         return ""
-    fp_of = {(r.get("seed"), _where(r)): _run_speed(r) for r in fp_records if _run_speed(r)}
-    ratios = [_run_speed(r) / fp_of[(r.get("seed"), _where(r))] for r in records
-              if _run_speed(r) is not None and (r.get("seed"), _where(r)) in fp_of]
+    by_where = defaultdict(list)
+    for r, speed in timed:
+        by_where[_where(r)].append(speed)
+    fp_of = {(r.get("seed"), _where(r)): s for r in fp_records for s in [_run_speed(r)] if s}
+    ratios = [speed / fp_of[(r.get("seed"), _where(r))] for r, speed in timed if (r.get("seed"), _where(r)) in fp_of]
     speeds = "; ".join(f"{statistics.mean(v):.1f}" + (f" @{w}" if len(by_where) > 1 else "")
                        for w, v in sorted(by_where.items()))
     if not ratios:
@@ -351,8 +355,9 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
                         "first training step (and without the model's input, where recorded), mean over the "
                         "same runs; training throughput per run is the median over its epochs, shown as the mean "
                         "per processor and thread count and, in brackets, the mean ratio to fp's run of the same "
-                        "seed, processor and thread count ([k of n runs] where only k have such a pair); runs that shared the CPU with other "
-                        "work are slowed by it, so these speeds are indicative only: the paired benchmarks (throughput_paired) measure speed. "
+                        "seed, processor and thread count ([k of n runs] where only k have such a pair); runs that "
+                        "shared the CPU with other work are slowed by it, so these speeds are indicative only: the "
+                        "paired benchmarks (throughput_paired) measure speed. "
                         "Each row should come from one clean commit (listed per row). Paper figures appear beside "
                         f"runs of the paper's own recipes (experiments paper_*).{warning}")
     acc = paper.get("accuracy_top1_percent", {})
@@ -498,7 +503,7 @@ def _plot_accuracy_curves(ok, path, experiment):
         if len(runs) > 1:
             ax.fill_between(epochs, [min(curves[e]) for e in epochs], [max(curves[e]) for e in epochs],
                             color=colour, alpha=0.2, linewidth=0)
-    devices = sorted({re.sub(r", \d+ torch threads?$", "", r.get("device", "?")) for r in ok})  # threads: per run
+    devices = sorted({_processor(r) for r in ok})
     ax.set_title(f"{experiment}: test top-1 vs epoch (mean over seeds, band = min-max)\n" + "; ".join(devices),
                  fontsize=7)
     ax.set_xlabel("epoch")
