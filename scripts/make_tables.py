@@ -246,11 +246,13 @@ def experiments_of(runs):
     return sorted({Path(r["_path"]).parts[0] for r in runs} & known)
 
 
-def _mean_std(values):
-    """(mean, sample std) of a list; (None, None) when empty, std 0 for one value."""
+def _mean_std_cell(values):
+    """"mean ± sample std" of a list; the mean alone for one value (its spread is unknown, not 0); "" when empty."""
     if not values:
-        return None, None
-    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+        return ""
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
 
 
 def _mean_of(records, key):
@@ -326,10 +328,11 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
     fp = {key[:3]: recs for key, recs in groups.items() if key[3] == "fp"}
     mixed = []
     for (exp, data, model, method), recs in sorted(groups.items(), key=lambda kv: (kv[0][:3], _rank(kv[0][3]))):
-        mean, std = _mean_std([r["top1"] for r in recs])
-        best = _mean_std([r["best_top1"] for r in recs if r.get("best_top1") is not None])
+        mean = statistics.mean(r["top1"] for r in recs)
         fp_recs = fp.get((exp, data, model), [])
-        gap = "" if not fp_recs else f"{mean - statistics.mean(r['top1'] for r in fp_recs):+.2f}"
+        seeds = {r.get("seed") for r in recs}
+        fp_same_seeds = [r for r in fp_recs if r.get("seed") in seeds] or fp_recs
+        gap = "" if not fp_recs else f"{mean - statistics.mean(r['top1'] for r in fp_same_seeds):+.2f}"
         compression = _mean_of(recs, "act_compression")
         without_input = _mean_of(recs, "act_compression_without_input")
         label, warning = commits(recs)
@@ -342,8 +345,8 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
         if exp.startswith("paper_") and f"{data}/{model}" in prows and pname in cols:
             v = prows[f"{data}/{model}"][cols.index(pname)]
             pval = "" if v is None else f"{v:.2f}"
-        rows.append([exp, data, model, method, f"{mean:.2f} ± {std:.2f}",
-                     "" if best[0] is None else f"{best[0]:.2f} ± {best[1]:.2f}", len(recs), gap,
+        rows.append([exp, data, model, method, _mean_std_cell([r["top1"] for r in recs]),
+                     _mean_std_cell([r["best_top1"] for r in recs if r.get("best_top1") is not None]), len(recs), gap,
                      ("" if compression is None else f"{compression:.2f}x")
                      + ("" if without_input is None else f" ({without_input:.2f}x without input)"),
                      _speed_cell(recs, fp_recs),
@@ -351,8 +354,9 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
     warning = f" WARNING: rows mixing commits or uncommitted code: {', '.join(mixed)}." if mixed else ""
     text = _write_table(out / f"accuracy_{experiment}", header, rows,
                         f"Experiment {experiment}: test top-1 accuracy at the last epoch and the best epoch, mean ± "
-                        "std over seeds (n runs); gap = method mean - fp mean; activation compression of the "
-                        "first training step (and without the model's input, where recorded), mean over the "
+                        "std over seeds (n runs; one run: no std); gap = method mean - fp mean over the same "
+                        "seeds (over all of fp's where it shares none); activation compression of the first "
+                        "training step (and without the model's input, where recorded), mean over the "
                         "same runs; training throughput per run is the median over its epochs, shown as the mean "
                         "per processor and thread count and, in brackets, the mean ratio to fp's run of the same "
                         "seed, processor and thread count ([k of n runs] where only k have such a pair); runs that "
