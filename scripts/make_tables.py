@@ -287,14 +287,14 @@ def _speed_cell(records, fp_records):
     """Speed of a method's runs: the mean img/s per processor and thread count, and the mean ratio to fp over
     the seeds whose fp run ran on the same processor with the same thread count (runs on other machines, or
     a 1-thread run beside another run against a 2-thread run alone, are not comparable)."""
-    timed = [(r, s) for r in records for s in [_run_speed(r)] if s is not None]
+    timed = [((r.get("seed"), _where(r)), s) for r in records for s in [_run_speed(r)] if s is not None]
     if not timed:
         return ""
     by_where = defaultdict(list)
-    for r, speed in timed:
-        by_where[_where(r)].append(speed)
+    for (_, where), speed in timed:
+        by_where[where].append(speed)
     fp_of = {(r.get("seed"), _where(r)): s for r in fp_records for s in [_run_speed(r)] if s}
-    ratios = [speed / fp_of[(r.get("seed"), _where(r))] for r, speed in timed if (r.get("seed"), _where(r)) in fp_of]
+    ratios = [speed / fp_of[key] for key, speed in timed if key in fp_of]
     speeds = "; ".join(f"{statistics.mean(v):.1f}" + (f" @{w}" if len(by_where) > 1 else "")
                        for w, v in sorted(by_where.items()))
     if not ratios:
@@ -328,7 +328,8 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
     fp = {key[:3]: recs for key, recs in groups.items() if key[3] == "fp"}
     mixed = []
     for (exp, data, model, method), recs in sorted(groups.items(), key=lambda kv: (kv[0][:3], _rank(kv[0][3]))):
-        mean = statistics.mean(r["top1"] for r in recs)
+        top1 = [r["top1"] for r in recs]
+        mean = statistics.mean(top1)
         fp_recs = fp.get((exp, data, model), [])
         seeds = {r.get("seed") for r in recs}
         fp_same_seeds = [r for r in fp_recs if r.get("seed") in seeds] or fp_recs
@@ -345,7 +346,7 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
         if exp.startswith("paper_") and f"{data}/{model}" in prows and pname in cols:
             v = prows[f"{data}/{model}"][cols.index(pname)]
             pval = "" if v is None else f"{v:.2f}"
-        rows.append([exp, data, model, method, _mean_std_cell([r["top1"] for r in recs]),
+        rows.append([exp, data, model, method, _mean_std_cell(top1),
                      _mean_std_cell([r["best_top1"] for r in recs if r.get("best_top1") is not None]), len(recs), gap,
                      ("" if compression is None else f"{compression:.2f}x")
                      + ("" if without_input is None else f" ({without_input:.2f}x without input)"),
