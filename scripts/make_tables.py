@@ -303,6 +303,13 @@ def _speed_cell(records, fp_records):
     return f"{speeds} ({statistics.mean(ratios):.2f}){paired}"
 
 
+def _method_label(run):
+    """A run's method, with the model's widening where it has one (WRPN's 2x-wide network is another network,
+    compared with fp at the published width, as the WRPN paper does)."""
+    width = run.get("config", {}).get("model", {}).get("width_mult", 1)
+    return run["method"] if width == 1 else f"{run['method']} ({width:g}x wide)"
+
+
 def accuracy_tables(runs, paper, out: Path, only=None):
     texts = []
     for exp in experiments_of(runs):
@@ -315,7 +322,7 @@ def accuracy_tables(runs, paper, out: Path, only=None):
 def accuracy_table(runs, paper, out: Path, experiment: str):
     """(c) accuracy per method of one experiment: final and best top-1 (mean ± std over seeds), n, gap to fp,
     activation compression and throughput of the same runs, the commits of each row."""
-    ok = [r for r in runs if r.get("status") == "ok" and r.get("top1") is not None]
+    ok = [dict(r, method=_method_label(r)) for r in runs if r.get("status") == "ok" and r.get("top1") is not None]
     if not ok:
         return []
     groups = defaultdict(list)
