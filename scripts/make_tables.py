@@ -343,6 +343,9 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
         gap = "" if not fp_recs else f"{mean - statistics.mean(r['top1'] for r in fp_same_seeds):+.2f}"
         compression = _mean_of(recs, "act_compression")
         without_input = _mean_of(recs, "act_compression_without_input")
+        held, reference, fp_held = (_mean_of(recs, "act_mem_bytes"), _mean_of(recs, "act_mem_fp_bytes"),
+                                    _mean_of(fp_recs, "act_mem_bytes"))
+        against_fp = (held and reference and fp_held and abs(reference - fp_held) > 0.01 * fp_held)
         label, warning = commits(recs)
         if warning:
             mixed.append(method)
@@ -356,7 +359,8 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
         rows.append([exp, data, model, method, _mean_std_cell(top1),
                      _mean_std_cell([r["best_top1"] for r in recs if r.get("best_top1") is not None]), len(recs), gap,
                      ("" if compression is None else f"{compression:.2f}x")
-                     + ("" if without_input is None else f" ({without_input:.2f}x without input)"),
+                     + ("" if without_input is None else f" ({without_input:.2f}x without input)")
+                     + (f"; {fp_held / held:.2f}x against fp" if against_fp else ""),
                      _speed_cell(recs, fp_recs),
                      label, pval])
     warning = f" WARNING: rows mixing commits or uncommitted code: {', '.join(mixed)}." if mixed else ""
@@ -365,7 +369,8 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
                         "std over seeds (n runs; one run: no std); gap = method mean - fp mean over the same "
                         "seeds (over all of fp's where it shares none); activation compression of the first "
                         "training step (and without the model's input, where recorded), mean over the "
-                        "same runs; training throughput per run is the median over its epochs, shown as the mean "
+                        "same runs, against the method's own network under plain autograd, and also "
+                        "against fp's held bytes where that network is another (a widened model); training throughput per run is the median over its epochs, shown as the mean "
                         "per processor and thread count and, in brackets, the mean ratio to fp's run of the same "
                         "seed, processor and thread count ([k of n runs] where only k have such a pair); runs that "
                         "shared the CPU with other work are slowed by it, so these speeds are indicative only: the "

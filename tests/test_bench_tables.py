@@ -244,9 +244,12 @@ def test_accuracy_speed_ratios_pair_seed_processor_and_threads(tmp_path):
     text = make_tables.accuracy_table(ok, {}, tmp_path, "exp")[0]
     assert "| 150.0 @Xeon 1 thr; 400.0 @Xeon 2 thr (0.62) [2 of 3 runs] |" in text
     assert "| 200.0 @Xeon 1 thr; 800.0 @Xeon 2 thr (1.00) |" in text
-    wide = dict(run("wrpn", 0, 50.0, 1), config={"trainer": {"threads": 1}, "model": {"width_mult": 2}})
-    text = make_tables.accuracy_table(ok + [wide], {}, tmp_path, "exp")[0]  # widened: its own row, paired with fp
-    assert "| wrpn (2x wide) | 80.00 | 80.00 | 1 | +0.00 | 10.00x | 50.0 (0.25) |" in text
+    wide = dict(run("wrpn", 0, 50.0, 1), config={"trainer": {"threads": 1}, "model": {"width_mult": 2}},
+                act_mem_bytes=250.0, act_mem_fp_bytes=600.0)
+    fp_held = [dict(r, act_mem_bytes=200.0 if r["method"] == "fp" else 20.0, act_mem_fp_bytes=200.0) for r in ok]
+    text = make_tables.accuracy_table(fp_held + [wide], {}, tmp_path, "exp")[0]  # widened: own row, beside fp's
+    assert "| wrpn (2x wide) | 80.00 | 80.00 | 1 | +0.00 | 10.00x; 0.80x against fp | 50.0 (0.25) |" in text
+    assert "| division | 80.00 ± 0.00 | 80.00 ± 0.00 | 3 | +0.00 | 10.00x |" in text  # fp's network: one ratio
     assert "wrpn (2x wide) - fp" in (tmp_path / "accuracy_exp_paired.md").read_text()
     ok[-1] = run("division", 2, 400.0, 2, cpu="AMD EPYC")  # another machine: no pair for seed 2
     text = make_tables.accuracy_table(ok, {}, tmp_path, "exp")[0]
