@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Runs a queue of experiment runs one at a time, each at the commit its line names, and copies every finished
+# run into this checkout's results/runs. It is how the committed accuracy sweeps are made: a table row should
+# come from one clean commit, while the main checkout moves on.
+#
+#   scripts/run_queue.sh QUEUE_FILE [THREADS]
+#
+# QUEUE_FILE: one run per line, "<commit> <hydra overrides...>"; blank lines and lines starting with # are
+# skipped. The file is read again before each line, so lines may be added or reordered while it runs.
+# Each commit gets a git worktree beside this checkout (../wt-<commit>), so relative paths such as
+# DATA_DIR=../shared/datasets mean the same there and land in the run id the same way. Runs use this
+# checkout's .venv (PY=... to choose another) and trainer.threads=THREADS (default 2; not part of the run id).
+# Finished runs are skipped (skip_done) and interrupted ones continue from their checkpoints (resume) when
+# the experiment config sets those, as the committed experiments do. SIGTERM stops the current run; start
+# the queue again to continue. Logs: ../wt-logs/<commit>-<override values>.log.
+set -uo pipefail
+queue=$(realpath "${1:?usage: scripts/run_queue.sh QUEUE_FILE [THREADS]}")
+threads=${2:-2}
+root=$(cd "$(dirname "$0")/.." && pwd)
+py=${PY:-$root/.venv/bin/python}
+logs=$(dirname "$root")/wt-logs
+mkdir -p "$logs"
+[ -x "$py" ] || { echo "no python at $py: run 'make setup' first or set PY" >&2; exit 2; }
+child=
+trap '[ -n "$child" ] && kill -TERM "$child" 2>/dev/null && wait "$child"; exit 143' TERM INT
+
+harvest() {  # copies finished runs of worktree $1 into this checkout, leaving existing copies alone
+  local result dir rel
+  for result in "$1"/results/runs/*/*/result.json; do
+    [ -f "$result" ] && grep -q '"status": "ok"' "$result" || continue
+    dir=$(dirname "$result"); rel=${dir#"$1"/}
+    [ -e "$root/$rel/result.json" ] && continue
+    mkdir -p "$root/$rel"
+    cp "$dir"/result.json "$dir"/metrics.jsonl "$root/$rel/"
+    [ -f "$dir/memory_layers.json" ] && cp "$dir/memory_layers.json" "$root/$rel/"
+    echo "$(date -Is) harvested $rel"
+  done
+}
+
+line_no=1
+while [ "$line_no" -le "$(awk 'END { print NR }' "$queue")" ]; do
+  line=$(sed -n "${line_no}p" "$queue")
+  line_no=$((line_no + 1))
+  case "$line" in ''|'#'*) continue ;; esac
+  read -r commit overrides <<< "$line"
+  sha=$(git -C "$root" rev-parse --short=7 "$commit^{commit}") || { echo "unknown commit '$commit'" >&2; exit 2; }
+  worktree=$(dirname "$root")/wt-$sha
+  [ -d "$worktree" ] || git -C "$root" worktree add --detach "$worktree" "$sha" >/dev/null || exit 2
+  log=$logs/$sha-$(echo "$overrides" | sed 's/[^ =]*=//g' | tr -c 'A-Za-z0-9_.,\n-' '_').log
+  echo "$(date -Is) start $sha $overrides (log $log)"
+  (cd "$worktree" && PYTHONPATH="$worktree/src" exec "$py" train.py $overrides trainer.threads="$threads") \
+    >> "$log" 2>&1 &
+  child=$!
+  wait "$child"
+  status=$?
+  child=
+  echo "$(date -Is) end (exit $status) $sha $overrides"
+  harvest "$worktree"
+done
