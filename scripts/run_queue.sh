@@ -31,8 +31,7 @@ harvest() {  # copies finished runs of worktree $1 into this checkout, leaving e
     dir=$(dirname "$result"); rel=${dir#"$1"/}
     [ -e "$root/$rel/result.json" ] && continue
     mkdir -p "$root/$rel"
-    cp "$dir"/result.json "$dir"/metrics.jsonl "$root/$rel/"
-    [ -f "$dir/memory_layers.json" ] && cp "$dir/memory_layers.json" "$root/$rel/"
+    find "$dir" -maxdepth 1 -type f ! -name '*.pt' -exec cp {} "$root/$rel/" \;  # all but checkpoints
     echo "$(date -Is) harvested $rel"
   done
 }
