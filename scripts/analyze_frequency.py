@@ -141,8 +141,9 @@ def plots(out, tag, report):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for stage, ax in zip(report["stages"], axes):
+    stages = list(report["stages"])  # initialisation and short training, or one trained checkpoint
+    fig, axes = plt.subplots(1, len(stages), figsize=(5.5 * len(stages), 4), squeeze=False)
+    for stage, ax in zip(stages, axes[0]):
         g = report["stages"][stage]["gradient"]
         for family, marker in (("division", "o"), ("per_channel", "s")):
             for reuse in (False, True):
@@ -169,7 +170,7 @@ def plots(out, tag, report):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("bits per element held")
         ax.set_ylabel("weight-gradient relative L2 error (mean over layers)")
-        ax.set_title(f"{report['model']} — {stage}")
+        ax.set_title(f"{report['model']} — {stage.split(' (')[0]}")  # the checkpoint's path is in the JSON
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / f"gradient_error_vs_bits_{tag}.png", dpi=110)
