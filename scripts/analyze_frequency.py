@@ -19,6 +19,7 @@ import json
 import os
 import statistics
 import sys
+import textwrap
 from pathlib import Path
 
 import torch
@@ -170,7 +171,7 @@ def plots(out, tag, report):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("bits per element held")
         ax.set_ylabel("weight-gradient relative L2 error (mean over layers)")
-        ax.set_title(f"{report['model']} — {stage.split(' (')[0]}")  # the checkpoint's path is in the JSON
+        ax.set_title("\n".join(textwrap.wrap(f"{report['model']} — {stage}", 70)), fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / f"gradient_error_vs_bits_{tag}.png", dpi=110)
