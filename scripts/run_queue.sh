@@ -6,7 +6,8 @@
 #   scripts/run_queue.sh QUEUE_FILE [THREADS]
 #
 # QUEUE_FILE: one run per line, "<commit> <hydra overrides...>"; blank lines and lines starting with # are
-# skipped. The file is read again before each line, so lines may be added or reordered while it runs.
+# skipped. The file is read again before each run, so lines may be added, reordered or deleted (as finished
+# ones are, once committed) while it runs; each line runs at most once per invocation.
 # Each commit gets a git worktree beside this checkout (../wt-<commit>), so relative paths such as
 # DATA_DIR=../shared/datasets mean the same there and land in the run id the same way. Runs use this
 # checkout's .venv (PY=... to choose another) and trainer.threads=THREADS (default 2; not part of the run id).
@@ -36,11 +37,18 @@ harvest() {  # copies finished runs of worktree $1 into this checkout, leaving e
   done
 }
 
-line_no=1
-while [ "$line_no" -le "$(awk 'END { print NR }' "$queue")" ]; do
-  line=$(sed -n "${line_no}p" "$queue")
-  line_no=$((line_no + 1))
-  case "$line" in ''|'#'*) continue ;; esac
+declare -A attempted=()
+next_line() {  # the queue's first run line that this invocation has not yet run, read afresh
+  local line
+  while IFS= read -r line || [ -n "$line" ]; do
+    case "$line" in ''|'#'*) continue ;; esac
+    [ -z "${attempted[$line]+set}" ] && { printf '%s\n' "$line"; return 0; }
+  done < "$queue"
+  return 1
+}
+
+while line=$(next_line); do
+  attempted[$line]=1
   read -r commit overrides <<< "$line"
   sha=$(git -C "$root" rev-parse --short=7 "$commit^{commit}") || { echo "unknown commit '$commit'" >&2; exit 2; }
   worktree=$(dirname "$root")/wt-$sha

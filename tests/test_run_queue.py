@@ -1,0 +1,55 @@
+"""scripts/run_queue.sh: each queue line runs once, at its commit, even when lines are deleted while it runs."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# Stands in for train.py: records its arguments and the commit it runs at; the run of x=1 deletes its own
+# queue line, as committing a finished run does.
+echo "$(git rev-parse --short=7 HEAD) $*" >> "$RUN_LOG"
+case "$*" in *x=1*) sed -i '/x=1$/d' "$QUEUE" ;; esac
+"""
+
+
+def _git(cwd, *args):
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_every_line_runs_once_at_its_commit_when_a_finished_line_is_deleted(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "run_queue.sh", repo / "scripts" / "run_queue.sh")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", "first")
+    first = _git(repo, "rev-parse", "--short=7", "HEAD")
+    (repo / "later.txt").write_text("later\n")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", "second")
+    second = _git(repo, "rev-parse", "--short=7", "HEAD")
+
+    fake = tmp_path / "fake_python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    queue = tmp_path / "queue.txt"
+    queue.write_text(f"# a comment\n{first} x=1\n{first} x=2\n\n{second} x=3\n")
+    run_log = tmp_path / "runs.log"
+    env = {**os.environ, "PY": str(fake), "RUN_LOG": str(run_log), "QUEUE": str(queue)}
+    subprocess.run(["bash", "scripts/run_queue.sh", str(queue), "1"], cwd=repo, env=env, check=True,
+                   capture_output=True, text=True, timeout=60)
+
+    assert run_log.read_text().splitlines() == [
+        f"{first} train.py x=1 trainer.threads=1",
+        f"{first} train.py x=2 trainer.threads=1",
+        f"{second} train.py x=3 trainer.threads=1",
+    ]
