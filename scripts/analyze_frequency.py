@@ -142,10 +142,10 @@ def plots(out, tag, report):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    stages = list(report["stages"])  # initialisation and short training, or one trained checkpoint
+    stages = report["stages"]  # initialisation and short training, or one trained checkpoint
     fig, axes = plt.subplots(1, len(stages), figsize=(5.5 * len(stages), 4), squeeze=False)
-    for stage, ax in zip(stages, axes[0]):
-        g = report["stages"][stage]["gradient"]
+    for (stage, figures), ax in zip(stages.items(), axes[0]):
+        g = figures["gradient"]
         for family, marker in (("division", "o"), ("per_channel", "s")):
             for reuse in (False, True):
                 keys = [f"{family}@{b}{'+relu_mask' if reuse else ''}" for b in BITS]
@@ -171,7 +171,7 @@ def plots(out, tag, report):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("bits per element held")
         ax.set_ylabel("weight-gradient relative L2 error (mean over layers)")
-        ax.set_title("\n".join(textwrap.wrap(f"{report['model']} — {stage}", 70)), fontsize=9)
+        ax.set_title(textwrap.fill(f"{report['model']} — {stage}", 70), fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / f"gradient_error_vs_bits_{tag}.png", dpi=110)
