@@ -470,11 +470,12 @@ def paired_differences(ok, method: str, baseline: str):
 
 
 def paired_table(ok, out: Path, experiment: str):
-    """Each method against fp; DIVISION against DIVISION without LFC (what the LFC buys), division_plus against
-    DIVISION (what its savings cost) and DIVISION with its input held exactly against DIVISION, paired by seed."""
+    """Each method against fp; DIVISION against DIVISION without LFC (what the LFC buys) and against ActNN (the
+    paper's 2-bit rival), division_plus against DIVISION (what its savings cost) and DIVISION with its input held
+    exactly against DIVISION, paired by seed."""
     methods = _methods(ok)
     pairs = [(m, "fp") for m in methods if m != "fp"]
-    pairs += [(a, b) for a, b in (("division", "division_nolfc"), ("division_plus", "division"),
+    pairs += [(a, b) for a, b in (("division", "division_nolfc"), ("division", "actnn"), ("division_plus", "division"),
                                   ("division_keep_input", "division"))
               if a in methods and b in methods]
     header = ["comparison", "seeds", "per-seed difference (points)", "mean", "95 % CI (t)", "reading"]

@@ -193,15 +193,16 @@ def test_paired_differences_and_interval():
     assert make_tables.paired_differences(ok[:4], "division", "fp")[3] is None
 
 
-def test_paired_table_answers_the_lfc_division_plus_and_keep_input_questions(tmp_path):
+def test_paired_table_answers_the_lfc_actnn_division_plus_and_keep_input_questions(tmp_path):
     sys.path.insert(0, str(ROOT / "scripts"))
     import make_tables
     top1 = {"fp": (90.0, 91.0), "division": (89.0, 90.0), "division_nolfc": (89.5, 90.2), "division_plus": (89.4, 90.6),
-            "division_keep_input": (89.1, 90.3)}
+            "division_keep_input": (89.1, 90.3), "actnn": (88.8, 90.4)}
     ok = [{"method": m, "seed": s, "top1": v[s], "git_sha": "abcdef12", "git_dirty": False}
           for m, v in top1.items() for s in (0, 1)]
     text = make_tables.paired_table(ok, tmp_path, "exp")[0]
     assert "| division - division_nolfc | 0,1 | -0.50, -0.20 | -0.35 |" in text
+    assert "| division - actnn | 0,1 | +0.20, -0.40 | -0.10 |" in text
     assert "| division_plus - division | 0,1 | +0.40, +0.60 | +0.50 |" in text
     assert "| division_keep_input - division | 0,1 | +0.10, +0.30 | +0.20 |" in text
     assert "| division_nolfc - fp | 0,1 | -0.50, -0.80 |" in text
