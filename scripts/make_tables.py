@@ -469,15 +469,20 @@ def paired_differences(ok, method: str, baseline: str):
     return seeds, diffs, mean, interval
 
 
+# The comparisons beyond "each method against fp" that the paired table answers: (method, baseline).
+QUESTION_PAIRS = (
+    ("division", "division_nolfc"),  # what the LFC buys
+    ("division", "actnn"),  # the paper's 2-bit rival
+    ("division_plus", "division"),  # what division_plus's savings cost
+    ("division_keep_input", "division"),  # what holding the model's input exactly buys
+)
+
+
 def paired_table(ok, out: Path, experiment: str):
-    """Each method against fp; DIVISION against DIVISION without LFC (what the LFC buys) and against ActNN (the
-    paper's 2-bit rival), division_plus against DIVISION (what its savings cost) and DIVISION with its input held
-    exactly against DIVISION, paired by seed."""
+    """Each method against fp, then the QUESTION_PAIRS whose both methods have runs, paired by seed."""
     methods = _methods(ok)
     pairs = [(m, "fp") for m in methods if m != "fp"]
-    pairs += [(a, b) for a, b in (("division", "division_nolfc"), ("division", "actnn"), ("division_plus", "division"),
-                                  ("division_keep_input", "division"))
-              if a in methods and b in methods]
+    pairs += [(a, b) for a, b in QUESTION_PAIRS if a in methods and b in methods]
     header = ["comparison", "seeds", "per-seed difference (points)", "mean", "95 % CI (t)", "reading"]
     rows = []
     for method, base in pairs:

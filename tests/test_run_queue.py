@@ -18,7 +18,6 @@ echo "$(git rev-parse --short=7 HEAD) $*" >> "$RUN_LOG"
 case "$*" in *x=1*) sed -i '/x=1$/d' "$QUEUE" ;; esac
 """
 
-
 GIT_IDENTITY = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
 
 
@@ -27,18 +26,20 @@ def _git(cwd, *args):
                           capture_output=True, text=True).stdout.strip()
 
 
+def _commit(repo, message):
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", message)
+    return _git(repo, "rev-parse", "--short=7", "HEAD")
+
+
 def test_every_line_runs_once_at_its_commit_when_a_finished_line_is_deleted(tmp_path):
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
     shutil.copy(ROOT / "scripts" / "run_queue.sh", repo / "scripts" / "run_queue.sh")
     _git(repo, "init", "-q")
-    _git(repo, "add", ".")
-    _git(repo, "commit", "-qm", "first")
-    first = _git(repo, "rev-parse", "--short=7", "HEAD")
+    first = _commit(repo, "first")
     (repo / "later.txt").write_text("later\n")
-    _git(repo, "add", ".")
-    _git(repo, "commit", "-qm", "second")
-    second = _git(repo, "rev-parse", "--short=7", "HEAD")
+    second = _commit(repo, "second")
 
     fake = tmp_path / "fake_python"
     fake.write_text(FAKE_PYTHON)
