@@ -93,13 +93,13 @@ def test_triton_relu_mask_exact(n):
 def test_training_step_on_the_triton_path():
     """Every compressing method trains a step with backend=triton; the report says which backend ran."""
     import torch.nn as nn
-    from division.methods import build
-    for name in ("division", "actnn", "blpa"):
+    from division.methods import build, load_config
+    for name in ("division", "actnn", "blpa", "division_plus", "wrpn"):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2),
                               nn.Conv2d(4, 6, 3), nn.BatchNorm2d(6), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
                               nn.Flatten(), nn.Linear(6, 10)).to(DEVICE)
-        method = build({"name": name, "backend": "triton"})
+        method = build({**load_config(name), "backend": "triton"})
         method.prepare(model)
         x, y = torch.randn(2, 3, 16, 16, device=DEVICE), torch.randint(0, 10, (2,), device=DEVICE)
         with method.accounting(model) as acc:
@@ -138,3 +138,23 @@ def test_triton_split_ranges_and_bf16_statistics(shape):
     mean = sum(tri_codec.encode(x, split).decode() for _ in range(draws)) / draws
     single = (y - x).pow(2).mean().sqrt()
     assert (mean - x).pow(2).mean().sqrt() < 4 * single / math.sqrt(draws)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("n", [5, 37, 1024 + 9])
+def test_triton_quantized_relu_matches_reference(n, bits):
+    """WRPN's k-bit ReLU on Triton: the reference's values bit for bit (ties to even, NaN kept, infinities
+    clamped) and the mask 0 < x < 1."""
+    from division.methods.wrpn import quantize_activation, quantized_relu
+    torch.manual_seed(0)
+    levels = (1 << bits) - 1
+    x = torch.rand(n) * 1.6 - 0.3
+    ties = (torch.arange(n) % levels + 0.5) / levels
+    x[::3] = ties[::3]
+    x[0], x[1], x[2], x[3], x[4] = float("nan"), -0.0, 1.0, float("inf"), float("-inf")
+    x = x.to(DEVICE)
+    y, mask = quantized_relu(x, bits, "triton")
+    expected = quantize_activation(x, bits)
+    assert mask.backend == "triton"
+    assert torch.equal(y.isnan(), expected.isnan()) and torch.equal(y.nan_to_num(), expected.nan_to_num())
+    assert torch.equal(mask.packed, BitMask.encode((x > 0) & (x < 1)).packed)

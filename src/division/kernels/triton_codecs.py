@@ -1,5 +1,5 @@
 """Triton kernels for the CUDA path: DIVISION encode/decode (the per-row quantizers are the same kernels
-without an LFC) and ReLU mask pack/apply.
+without an LFC), ReLU mask pack/apply, and WRPN's k-bit ReLU with its mask.
 
 Layout is the reference's (``division.codecs``): rows of ``row_len`` elements (a (sample, channel) map, or
 an ActNN group), one minimum and scale per row in fp32 or bf16 (two per row with a split mask), codes packed little end first over the flattened
@@ -152,6 +152,24 @@ if triton is not None:
         tl.store(out_ptr + byte_at, tl.sum(bits, axis=1).to(tl.uint8), mask=byte_at * 8 < n)
 
     @triton.jit
+    def _quant_relu_mask(x_ptr, y_ptr, out_ptr, n, levels, BLOCK: tl.constexpr):
+        """y = round_half_even(clamp(x, 0, 1) * levels) / levels (NaN kept), and the mask 0 < x < 1 packed as
+        _mask_positive packs it."""
+        start = tl.program_id(0) * BLOCK
+        offs = start + tl.arange(0, BLOCK // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
+        inside = offs < n
+        x = tl.load(x_ptr + offs, mask=inside, other=0.0)
+        v = tl.minimum(tl.maximum(x, 0.0), 1.0) * levels
+        low = tl.floor(v)
+        odd = low - 2.0 * tl.floor(low * 0.5)
+        up = v - low
+        rounded = tl.where(up > 0.5, low + 1.0, tl.where(up < 0.5, low, low + odd))
+        tl.store(y_ptr + offs, tl.where(x != x, x, tl.div_rn(rounded, levels)), mask=inside)
+        bits = tl.where((x > 0) & (x < 1), 1, 0) << tl.arange(0, 8)[None, :]
+        byte_at = start // 8 + tl.arange(0, BLOCK // 8)
+        tl.store(out_ptr + byte_at, tl.sum(bits, axis=1).to(tl.uint8), mask=byte_at * 8 < n)
+
+    @triton.jit
     def _mask_apply(g_ptr, mask_ptr, out_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         inside = offs < n
@@ -235,3 +253,13 @@ def mask_apply(g: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(gc)
     _mask_apply[(triton.cdiv(g.numel(), MASK_BLOCK),)](gc, packed, out, g.numel(), BLOCK=MASK_BLOCK)
     return out
+
+
+def quant_relu_mask(x: torch.Tensor, levels: int):
+    """WRPN's k-bit ReLU of a float32 ``x`` and its gradient mask (0 < x < 1), in one pass on the device."""
+    from division.codecs.packing import packed_nbytes
+    xc = x.contiguous()
+    y = torch.empty_like(xc)
+    out = torch.empty(packed_nbytes(x.numel(), 1), dtype=torch.uint8, device=x.device)
+    _quant_relu_mask[(triton.cdiv(x.numel(), MASK_BLOCK),)](xc, y, out, x.numel(), float(levels), BLOCK=MASK_BLOCK)
+    return y, out

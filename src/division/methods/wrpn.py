@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from division import compress
 from division.codecs import FullCopy
+from division.codecs.base import use_triton
 from division.codecs.groupwise import ReshapedQuantized, parallel_rows
 from division.codecs.quant import BitMask, check_bits, quantize_per_row
 from division.compress.linear import _Conv2dFn, _LinearFn
@@ -38,7 +39,11 @@ def quantize_activation(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 def quantized_relu(x: torch.Tensor, bits: int, backend: str = "auto"):
     """``(quantize_activation(x), the mask 0 < x < 1 where the clamp passes the gradient)``; one pass on the CPU
-    kernel, which rounds exactly as ``quantize_activation`` does."""
+    kernel or, for float32 on CUDA, the Triton kernel; both round exactly as ``quantize_activation`` does."""
+    if x.dtype == torch.float32 and use_triton(x, backend):
+        from division.kernels import triton_codecs
+        y, packed = triton_codecs.quant_relu_mask(x, (1 << bits) - 1)
+        return y.view(x.shape), BitMask(packed, x.shape, "triton")
     lib = BitMask.one_pass_kernel(x, backend)
     if lib is None:
         return quantize_activation(x, bits), BitMask.encode((x > 0) & (x < 1))
