@@ -91,3 +91,16 @@ def test_cuda_compact_relu_decodes_as_the_masked_codec():
     assert isinstance(packed, ReluCompacted) and packed.codes.is_cuda
     assert torch.equal(packed.decode(), mask.apply(full.decode()))
     assert packed.nbytes() < full.nbytes()
+
+
+def test_cuda_result_device_names_the_fp32_precision():
+    from division.results import device_description
+    from division.train import set_tf32
+    before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    try:
+        set_tf32(torch.device("cuda"), False)
+        assert device_description(torch.device("cuda")).endswith("(convolutions fp32, matmuls fp32)")
+        set_tf32(torch.device("cuda"), None)
+        assert device_description(torch.device("cuda")).endswith("(convolutions TF32, matmuls fp32)")
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before

@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import ROOT, run_train
 from division.loggers import read_offline_run
@@ -82,6 +83,7 @@ def test_wandb_offline_run_holds_steps_epochs_and_memory_table(tmp_path, monkeyp
     ("optim.momentum=1.5", r"optim.momentum=1.5 is invalid"),
     ("optim.weight_decay=-0.1", r"optim.weight_decay=-0.1 is invalid"),
     ("data.subset=-5", r"data.subset=-5 is invalid"),
+    ("trainer.tf32=sometimes", r"trainer.tf32='sometimes' is invalid; valid choices: \[null, true, false\]"),
 ])
 def test_bad_training_values_name_the_value(tmp_path, override, match):
     """Each bad value stops the run before it trains, with a message naming the key, the value and what is valid."""
@@ -275,3 +277,20 @@ def test_dirty_flag_ignores_results_but_not_code(tmp_path):
     assert sha and dirty is False
     (tmp_path / "code.py").write_text("x = 2\n")
     assert git_state(tmp_path)[1] is True
+
+
+@pytest.mark.parametrize("tf32, convolutions, matmuls", [(None, True, False), (True, True, True), (False, False, False)])
+def test_tf32_choice_is_set_on_every_cuda_run(tf32, convolutions, matmuls):
+    """A CUDA run sets both flags whatever an earlier job of the same process chose (the flags can be set
+    without a GPU); a CPU run leaves them alone."""
+    from division.train import set_tf32
+    before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = (not convolutions), (not matmuls)
+        set_tf32(torch.device("cpu"), tf32)
+        assert (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) == (not convolutions,
+                                                                                           not matmuls)
+        set_tf32(torch.device("cuda"), tf32)
+        assert (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) == (convolutions, matmuls)
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before

@@ -129,7 +129,10 @@ def versions() -> Dict[str, str]:
 
 def device_description(device: torch.device) -> str:
     if device.type == "cuda":
-        return f"cuda: {torch.cuda.get_device_name(device)}"
+        def precision(tf32):
+            return "TF32" if tf32 else "fp32"
+        return (f"cuda: {torch.cuda.get_device_name(device)} (convolutions "
+                f"{precision(torch.backends.cudnn.allow_tf32)}, matmuls {precision(torch.backends.cuda.matmul.allow_tf32)})")
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as fh:

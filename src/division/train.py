@@ -34,6 +34,18 @@ def pick_device(name: str, info: dist.DistInfo) -> torch.device:
     return torch.device("cpu")
 
 
+def set_tf32(device: torch.device, tf32):
+    """CUDA's fp32 convolutions and matmuls in TF32 (true), in IEEE fp32 (false, what the CPU computes), or
+    PyTorch's defaults (None: convolutions in TF32, matmuls not). Set on every run, so one job of a multirun
+    does not inherit another's choice; the result's device line says what ran."""
+    if tf32 not in (None, True, False):
+        raise ValueError(f"trainer.tf32={tf32!r} is invalid; valid choices: [null, true, false] "
+                         "(null: PyTorch's default, TF32 convolutions and fp32 matmuls)")
+    if device.type == "cuda":
+        torch.backends.cudnn.allow_tf32 = True if tf32 is None else tf32
+        torch.backends.cuda.matmul.allow_tf32 = bool(tf32)
+
+
 def seed_everything(seed: int):
     import random
     import numpy as np
@@ -64,6 +76,7 @@ def run(cfg: DictConfig) -> dict:
     info = dist.from_env()
     device = pick_device(cfg.trainer.device, info)
     dist.init(info, device)
+    set_tf32(device, cfg.trainer.get("tf32"))
     if int(cfg.trainer.get("threads", 0)) > 0:
         torch.set_num_threads(int(cfg.trainer.threads))
     amp = cfg.trainer.amp
