@@ -32,18 +32,27 @@ def _commit(repo, message):
     return _git(repo, "rev-parse", "--short=7", "HEAD")
 
 
-def test_every_line_runs_once_at_its_commit_when_a_finished_line_is_deleted(tmp_path):
+def _repo_with_the_script(tmp_path):
+    """A git repository holding scripts/run_queue.sh, and its first commit."""
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
     shutil.copy(ROOT / "scripts" / "run_queue.sh", repo / "scripts" / "run_queue.sh")
     _git(repo, "init", "-q")
-    first = _commit(repo, "first")
+    return repo, _commit(repo, "first")
+
+
+def _fake_python(tmp_path, text):
+    fake = tmp_path / "fake_python"
+    fake.write_text(text)
+    fake.chmod(0o755)
+    return fake
+
+
+def test_every_line_runs_once_at_its_commit_when_a_finished_line_is_deleted(tmp_path):
+    repo, first = _repo_with_the_script(tmp_path)
     (repo / "later.txt").write_text("later\n")
     second = _commit(repo, "second")
-
-    fake = tmp_path / "fake_python"
-    fake.write_text(FAKE_PYTHON)
-    fake.chmod(0o755)
+    fake = _fake_python(tmp_path, FAKE_PYTHON)
     queue = tmp_path / "queue.txt"
     queue.write_text(f"# a comment\n{first} x=1\n{first} x=2\n\n{second} x=3\n")
     run_log = tmp_path / "runs.log"
@@ -67,14 +76,8 @@ echo "end $*" >> "$RUN_LOG"
 
 
 def test_jobs_run_lines_side_by_side_and_keep_the_callers_pythonpath(tmp_path):
-    repo = tmp_path / "repo"
-    (repo / "scripts").mkdir(parents=True)
-    shutil.copy(ROOT / "scripts" / "run_queue.sh", repo / "scripts" / "run_queue.sh")
-    _git(repo, "init", "-q")
-    first = _commit(repo, "first")
-    fake = tmp_path / "fake_python"
-    fake.write_text(PARALLEL_FAKE_PYTHON)
-    fake.chmod(0o755)
+    repo, first = _repo_with_the_script(tmp_path)
+    fake = _fake_python(tmp_path, PARALLEL_FAKE_PYTHON)
     queue = tmp_path / "queue.txt"
     queue.write_text(f"{first} x=1\n{first} x=2\n{first} x=3\n")
     run_log = tmp_path / "runs.log"
