@@ -272,14 +272,20 @@ def _threads(run):
 
 
 def _processor(run):
-    """A run's processor, shortly ("Xeon", "AMD EPYC"), from its recorded device."""
+    """A run's processor or GPU, shortly ("Xeon", "AMD EPYC", "NVIDIA H200 fp32": a GPU with the precision of
+    its fp32 convolutions), from its recorded device."""
+    gpu = re.fullmatch(r"cuda: (.*?)(?: \(convolutions (\w+), matmuls \w+\))?", str(run.get("device") or ""))
+    if gpu:
+        return " ".join(part for part in gpu.groups() if part)
     device = re.sub(r"\((R|TM)\)|Processor|CPU|@.*?GHz", "", str(run.get("device") or ""))
     device = re.sub(r"^cpu: (Intel )?|, \d+ logical cores.*$", "", device)
     return " ".join(device.split()) or "?"
 
 
 def _where(run):
-    """Where a run's speed was measured: the processor and the thread count (e.g. "Xeon 1 thr")."""
+    """Where a run's speed was measured: the processor and the thread count (e.g. "Xeon 1 thr"), or the GPU."""
+    if str(run.get("device") or "").startswith("cuda"):
+        return _processor(run)
     return f"{_processor(run)} {_threads(run)} thr"
 
 

@@ -255,6 +255,9 @@ def test_accuracy_speed_ratios_pair_seed_processor_and_threads(tmp_path):
     ok[-1] = run("division", 2, 400.0, 2, cpu="AMD EPYC")  # another machine: no pair for seed 2
     text = make_tables.accuracy_table(ok, {}, tmp_path, "exp")[0]
     assert "| 400.0 @AMD EPYC 2 thr; 150.0 @Xeon 1 thr; 400.0 @Xeon 2 thr (0.75) [1 of 3 runs] |" in text
+    ok[-1] = dict(run("division", 2, 4000.0, 4), device="cuda: NVIDIA H200 (convolutions fp32, matmuls fp32)")
+    text = make_tables.accuracy_table(ok, {}, tmp_path, "exp")[0]  # a GPU: named with its fp32 precision
+    assert "| 4000.0 @NVIDIA H200 fp32; 150.0 @Xeon 1 thr; 400.0 @Xeon 2 thr (0.75) [1 of 3 runs] |" in text
 
 
 @pytest.mark.parametrize("compact", [False, True])
