@@ -9,7 +9,7 @@
 # skipped. The file is read again before each run starts, so lines may be added, reordered or deleted (as
 # finished ones are, once committed) while it runs; each line runs at most once per invocation.
 # JOBS (default 1): runs at a time. On a CPU one run on all cores is fastest; on a GPU, where a small model's
-# run is bound by its host thread, several runs share the device (e.g. THREADS=4 JOBS=3 on 16 cores).
+# run is bound by its host thread, several runs share the device (e.g. THREADS=4 JOBS=4 on 16 cores).
 # Each commit gets a git worktree beside this checkout (../wt-<commit>), so relative paths such as
 # DATA_DIR=../shared/datasets mean the same there and land in the run id the same way. Runs use this
 # checkout's .venv (PY=... to choose another; PYTHONPATH is kept, after the worktree's src) and

@@ -84,6 +84,7 @@ def test_wandb_offline_run_holds_steps_epochs_and_memory_table(tmp_path, monkeyp
     ("optim.weight_decay=-0.1", r"optim.weight_decay=-0.1 is invalid"),
     ("data.subset=-5", r"data.subset=-5 is invalid"),
     ("trainer.tf32=sometimes", r"trainer.tf32='sometimes' is invalid; valid choices: \[null, true, false\]"),
+    ("trainer.tf32=1", r"trainer.tf32=1 is invalid; valid choices: \[null, true, false\]"),
 ])
 def test_bad_training_values_name_the_value(tmp_path, override, match):
     """Each bad value stops the run before it trains, with a message naming the key, the value and what is valid."""

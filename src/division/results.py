@@ -129,10 +129,9 @@ def versions() -> Dict[str, str]:
 
 def device_description(device: torch.device) -> str:
     if device.type == "cuda":
-        def precision(tf32):
-            return "TF32" if tf32 else "fp32"
-        return (f"cuda: {torch.cuda.get_device_name(device)} (convolutions "
-                f"{precision(torch.backends.cudnn.allow_tf32)}, matmuls {precision(torch.backends.cuda.matmul.allow_tf32)})")
+        conv = "TF32" if torch.backends.cudnn.allow_tf32 else "fp32"
+        matmul = "TF32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
+        return f"cuda: {torch.cuda.get_device_name(device)} (convolutions {conv}, matmuls {matmul})"
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as fh:

@@ -38,7 +38,7 @@ def set_tf32(device: torch.device, tf32):
     """CUDA's fp32 convolutions and matmuls in TF32 (true), in IEEE fp32 (false, what the CPU computes), or
     PyTorch's defaults (None: convolutions in TF32, matmuls not). Set on every run, so one job of a multirun
     does not inherit another's choice; the result's device line says what ran."""
-    if tf32 not in (None, True, False):
+    if tf32 is not None and not isinstance(tf32, bool):
         raise ValueError(f"trainer.tf32={tf32!r} is invalid; valid choices: [null, true, false] "
                          "(null: PyTorch's default, TF32 convolutions and fp32 matmuls)")
     if device.type == "cuda":
