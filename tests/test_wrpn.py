@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from conftest import ROOT
 from division import kernels
 from division.codecs.quant import BitMask
 from division.methods import build, load_config
@@ -124,3 +125,20 @@ def test_compiled_quantized_relu_matches_reference(n, bits):
     assert torch.equal(mask.packed, BitMask.encode((x > 0) & (x < 1)).packed)
     ref_y, ref_mask = quantized_relu(x, bits, "reference")
     assert ref_mask.backend == "reference" and torch.equal(ref_y.nan_to_num(), expected.nan_to_num())
+
+
+def test_weight_level_script_counts_zeros_after_the_first_convolution(capsys):
+    """scripts/wrpn_weight_levels.py: the first convolution (full precision in WRPN) and 1x1 kernels are left
+    out; 4 bits round |w| < 1/14 to 0."""
+    import sys
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import wrpn_weight_levels
+    state = {"stem.weight": torch.zeros(2, 3, 3, 3),
+             "a.weight": torch.tensor([0.07, -0.07, 0.08, 1.5]).view(4, 1, 1, 1).expand(4, 1, 3, 3).clone(),
+             "shortcut.weight": torch.zeros(4, 4, 1, 1), "bn.weight": torch.ones(4)}
+    rows = wrpn_weight_levels.zero_shares(state, bits=4)
+    assert [(name, share) for name, share, _ in rows] == [("a.weight", 0.5)]
+    assert [name for name, _, _ in wrpn_weight_levels.zero_shares(state, 4, all_kernels=True)] == [
+        "a.weight", "shortcut.weight"]
+    wrpn_weight_levels.main(["--init", "resnet20", "--seed", "0"])
+    assert "resnet20 at init, seed 0:" in capsys.readouterr().out
