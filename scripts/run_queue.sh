@@ -27,7 +27,7 @@ py=${PY:-$root/.venv/bin/python}
 logs=$(dirname "$root")/wt-logs
 mkdir -p "$logs"
 [ -x "$py" ] || { echo "no python at $py: run 'make setup' first or set PY" >&2; exit 2; }
-declare -A label=() tree=()  # of each run in flight, by its pid
+declare -A label=()  # "<sha> <overrides>" of each run in flight, by its pid
 stop_all() {
   local pid
   for pid in "${!label[@]}"; do kill -TERM "$pid" 2>/dev/null; done
@@ -68,7 +68,6 @@ start() {  # launches queue line $1 in the background, at its commit's worktree
   (cd "$worktree" && PYTHONPATH="$worktree/src${PYTHONPATH:+:$PYTHONPATH}" \
     exec "$py" train.py $overrides trainer.threads="$threads") >> "$log" 2>&1 &
   label[$!]="$sha $overrides"
-  tree[$!]=$worktree
 }
 
 while :; do
@@ -82,6 +81,6 @@ while :; do
   status=$?
   [ -n "$finished" ] || continue
   echo "$(date -Is) end (exit $status) ${label[$finished]}"
-  harvest "${tree[$finished]}"
-  unset "label[$finished]" "tree[$finished]"
+  harvest "$(dirname "$root")/wt-${label[$finished]%% *}"
+  unset "label[$finished]"
 done

@@ -20,7 +20,8 @@ def zero_shares(state_dict, bits: int, all_kernels: bool = False):
     rows = []
     for name, w in convs[1:]:
         if all_kernels or w.shape[-1] > 1:
-            rows.append((name, (quantize_weight(w.float(), bits) == 0).float().mean().item(), w.float().std().item()))
+            w = w.float()
+            rows.append((name, (quantize_weight(w, bits) == 0).float().mean().item(), w.std().item()))
     return rows
 
 

@@ -143,20 +143,30 @@ if triton is not None:
         tl.store(out_ptr + flat, x, mask=inside)
 
     @triton.jit
-    def _mask_positive(y_ptr, out_ptr, n, BLOCK: tl.constexpr):
-        start = tl.program_id(0) * BLOCK
-        offs = start + tl.arange(0, BLOCK // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
-        y = tl.load(y_ptr + offs, mask=offs < n, other=0.0)
-        bits = tl.where(y > 0, 1, 0) << tl.arange(0, 8)[None, :]
+    def _mask_tile(start, BLOCK: tl.constexpr):
+        """A block's element offsets as a (BLOCK/8, 8) tile: one row per mask byte."""
+        return start + tl.arange(0, BLOCK // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
+
+    @triton.jit
+    def _store_mask_bytes(out_ptr, keep, start, n, BLOCK: tl.constexpr):
+        """Packs a (BLOCK/8, 8) boolean tile into its bytes, little end first."""
+        bits = tl.where(keep, 1, 0) << tl.arange(0, 8)[None, :]
         byte_at = start // 8 + tl.arange(0, BLOCK // 8)
         tl.store(out_ptr + byte_at, tl.sum(bits, axis=1).to(tl.uint8), mask=byte_at * 8 < n)
+
+    @triton.jit
+    def _mask_positive(y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        start = tl.program_id(0) * BLOCK
+        offs = _mask_tile(start, BLOCK)
+        y = tl.load(y_ptr + offs, mask=offs < n, other=0.0)
+        _store_mask_bytes(out_ptr, y > 0, start, n, BLOCK)
 
     @triton.jit
     def _quant_relu_mask(x_ptr, y_ptr, out_ptr, n, levels, BLOCK: tl.constexpr):
         """y = round_half_even(clamp(x, 0, 1) * levels) / levels (NaN kept), and the mask 0 < x < 1 packed as
         _mask_positive packs it."""
         start = tl.program_id(0) * BLOCK
-        offs = start + tl.arange(0, BLOCK // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
+        offs = _mask_tile(start, BLOCK)
         inside = offs < n
         x = tl.load(x_ptr + offs, mask=inside, other=0.0)
         v = tl.minimum(tl.maximum(x, 0.0), 1.0) * levels
@@ -165,9 +175,7 @@ if triton is not None:
         up = v - low
         rounded = tl.where(up > 0.5, low + 1.0, tl.where(up < 0.5, low, low + odd))
         tl.store(y_ptr + offs, tl.where(x != x, x, tl.div_rn(rounded, levels)), mask=inside)
-        bits = tl.where((x > 0) & (x < 1), 1, 0) << tl.arange(0, 8)[None, :]
-        byte_at = start // 8 + tl.arange(0, BLOCK // 8)
-        tl.store(out_ptr + byte_at, tl.sum(bits, axis=1).to(tl.uint8), mask=byte_at * 8 < n)
+        _store_mask_bytes(out_ptr, (x > 0) & (x < 1), start, n, BLOCK)
 
     @triton.jit
     def _mask_apply(g_ptr, mask_ptr, out_ptr, n, BLOCK: tl.constexpr):

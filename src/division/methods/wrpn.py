@@ -43,7 +43,7 @@ def quantized_relu(x: torch.Tensor, bits: int, backend: str = "auto"):
     if x.dtype == torch.float32 and use_triton(x, backend):
         from division.kernels import triton_codecs
         y, packed = triton_codecs.quant_relu_mask(x, (1 << bits) - 1)
-        return y.view(x.shape), BitMask(packed, x.shape, "triton")
+        return y, BitMask(packed, x.shape, "triton")
     lib = BitMask.one_pass_kernel(x, backend)
     if lib is None:
         return quantize_activation(x, bits), BitMask.encode((x > 0) & (x < 1))
