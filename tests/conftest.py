@@ -28,6 +28,17 @@ def run_train(overrides, tmp_path):
     return run(cfg)
 
 
+def measured_step(method, model, x, y):
+    """One cross-entropy step of a prepared model under the method's accounting, backward included:
+    (bytes plain autograd would hold for it, the method's MemoryReport)."""
+    import torch.nn.functional as F
+    fp = method.fp_reference_bytes(model, lambda: F.cross_entropy(model(x), y))
+    with method.accounting(model) as acc:
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return fp, acc.report
+
+
 @pytest.fixture
 def real_data_dir():
     data_dir = os.environ.get("DATA_DIR")

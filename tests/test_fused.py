@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
 
+from conftest import measured_step
 from division import compress
 from division.methods import build
 from division.models import create_model
@@ -53,12 +54,9 @@ def test_fused_division_holds_less_with_the_same_fp_reference():
         model = torchvision.models.resnet50()
         method = build({"name": "division", "fuse_bn_relu": fuse})
         method.prepare(model)
-        fp = method.fp_reference_bytes(model, lambda: F.cross_entropy(model(x), y))
-        with method.accounting() as acc:
-            loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        assert acc.report.fp_bytes == fp
-        held[fuse] = acc.report.held_bytes
+        fp, report = measured_step(method, model, x, y)
+        assert report.fp_bytes == fp
+        held[fuse] = report.held_bytes
         assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
     assert fp / held[True] > 1.12 * fp / held[False], held
 
@@ -118,12 +116,9 @@ def test_division_plus_composes_every_saving_and_trains():
         model = torchvision.models.resnet50()
         method = build(load_config(spec))
         method.prepare(model)
-        fp = method.fp_reference_bytes(model, lambda: F.cross_entropy(model(x), y))
-        with method.accounting() as acc:
-            loss = F.cross_entropy(model(x), y)
-        loss.backward()
+        fp, report = measured_step(method, model, x, y)
         assert all(torch.isfinite(p.grad).all() for p in model.parameters())
-        ratio[spec], codecs[spec] = fp / acc.report.held_bytes, acc.report.by_codec()
+        ratio[spec], codecs[spec] = fp / report.held_bytes, report.by_codec()
     plus = "division_plus:small_map_elems=256"
     assert ratio[plus] > 1.2 * ratio["division"], ratio
     assert "quantized" in codecs[plus] and "quantized" not in codecs["division"]

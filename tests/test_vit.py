@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import run_train
+from conftest import measured_step, run_train
 from division.analysis import CodecMethod
 from division.codecs import DivisionCodec, FullCopy
 from division.codecs.division import block_average
@@ -97,12 +97,9 @@ def test_vit_small_224_memory_report():
     method = build({"name": "division"})
     method.prepare(model)
     x, y = torch.randn(1, 3, 224, 224), torch.randint(0, 10, (1,))
-    fp = method.fp_reference_bytes(model, lambda: F.cross_entropy(model(x), y))
-    with method.accounting() as acc:
-        loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    assert fp / acc.report.held_bytes > 8
-    kinds = {r["kind"] for r in acc.report.layers}
+    fp, report = measured_step(method, model, x, y)
+    assert fp / report.held_bytes > 8
+    kinds = {r["kind"] for r in report.layers}
     assert {"linear", "ln", "gelu", "attn"} <= kinds
 
 
