@@ -10,16 +10,18 @@ import argparse
 
 import torch
 
-from division.methods.wrpn import quantize_weight
+from division.methods.wrpn import full_precision_layers, quantize_weight
 from division.models import create_model
 
 
 def zero_shares(state_dict, bits: int, all_kernels: bool = False):
-    """(name, zero share, weight std) of every 4-d weight after the first, in order."""
-    convs = [(k, w) for k, w in state_dict.items() if k.endswith("weight") and w.dim() == 4]
+    """(name, zero share, weight std) of every convolution weight that WRPN quantizes, in order."""
+    convs = [k for k, w in state_dict.items() if k.endswith("weight") and w.dim() == 4]
+    full = set(full_precision_layers(convs, []))
     rows = []
-    for name, w in convs[1:]:
-        if all_kernels or w.shape[-1] > 1:
+    for name in convs:
+        w = state_dict[name]
+        if name not in full and (all_kernels or w.shape[-1] > 1):
             w = w.float()
             rows.append((name, (quantize_weight(w, bits) == 0).float().mean().item(), w.std().item()))
     return rows

@@ -28,6 +28,14 @@ def run_train(overrides, tmp_path):
     return run(cfg)
 
 
+def import_script(name: str):
+    """A module of scripts/, imported for its functions."""
+    import importlib
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))
+    return importlib.import_module(name)
+
+
 def measured_step(method, model, x, y):
     """One cross-entropy step of a prepared model under the method's accounting, backward included:
     (bytes plain autograd would hold for it, the method's MemoryReport)."""

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, import_script
 from division.maxbatch import find_max_batch, parse_bytes
 
 
@@ -181,8 +181,7 @@ def test_max_batch_below_the_start():
 
 
 def test_paired_differences_and_interval():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import make_tables
+    make_tables = import_script("make_tables")
     ok = [{"method": m, "seed": s, "top1": v} for m, s, v in
           [("fp", 0, 90.0), ("fp", 1, 91.0), ("fp", 2, 92.0), ("division", 0, 89.0), ("division", 1, 90.5),
            ("division", 2, 91.0), ("division", 7, 50.0)]]
@@ -194,8 +193,7 @@ def test_paired_differences_and_interval():
 
 
 def test_paired_table_answers_the_lfc_actnn_division_plus_and_keep_input_questions(tmp_path):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import make_tables
+    make_tables = import_script("make_tables")
     top1 = {"fp": (90.0, 91.0), "division": (89.0, 90.0), "division_nolfc": (89.5, 90.2), "division_plus": (89.4, 90.6),
             "division_keep_input": (89.1, 90.3), "actnn": (88.8, 90.4)}
     ok = [{"method": m, "seed": s, "top1": v[s], "git_sha": "abcdef12", "git_dirty": False}
@@ -228,8 +226,7 @@ def test_bench_model_specs_with_options(tmp_path):
 def test_accuracy_speed_ratios_pair_seed_processor_and_threads(tmp_path):
     """Speed ratios pair a run with fp's run of the same seed on the same processor with the same thread
     count, whatever fp's other runs used."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import make_tables
+    make_tables = import_script("make_tables")
 
     def run(method, seed, speed, threads, cpu="Intel(R) Xeon(R) Processor"):
         return {"status": "ok", "experiment": "exp", "data": "cifar10", "model": "resnet20", "method": method,

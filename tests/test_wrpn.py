@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import ROOT
+from conftest import import_script
 from division import kernels
 from division.codecs.quant import BitMask
 from division.methods import build, load_config
@@ -130,9 +130,7 @@ def test_compiled_quantized_relu_matches_reference(n, bits):
 def test_weight_level_script_counts_zeros_after_the_first_convolution(capsys):
     """scripts/wrpn_weight_levels.py: the first convolution (full precision in WRPN) and 1x1 kernels are left
     out; 4 bits round |w| < 1/14 to 0."""
-    import sys
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import wrpn_weight_levels
+    wrpn_weight_levels = import_script("wrpn_weight_levels")
     state = {"stem.weight": torch.zeros(2, 3, 3, 3),
              "a.weight": torch.tensor([0.07, -0.07, 0.08, 1.5]).view(4, 1, 1, 1).expand(4, 1, 3, 3).clone(),
              "shortcut.weight": torch.zeros(4, 4, 1, 1), "bn.weight": torch.ones(4)}

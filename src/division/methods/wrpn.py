@@ -32,6 +32,12 @@ class ExactLevels:
         self.bits = bits
 
 
+def full_precision_layers(convs: list, linears: list) -> list:
+    """Of a model's convolutions and linear layers in order (modules or names), those WRPN leaves in full
+    precision: the first convolution and the last linear layer."""
+    return convs[:1] + linears[-1:]
+
+
 def quantize_activation(x: torch.Tensor, bits: int) -> torch.Tensor:
     levels = (1 << bits) - 1
     return torch.round(x.clamp(0, 1) * levels) / levels
@@ -112,7 +118,7 @@ class Wrpn(PolicyMethod):
     def prepare(self, model: nn.Module) -> nn.Module:
         convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
         linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-        full = {id(convs[0]) if convs else None, id(linears[-1]) if linears else None}
+        full = {id(m) for m in full_precision_layers(convs, linears)}
         bits = self.bits
 
         def weight(m, training):
