@@ -253,6 +253,18 @@ def test_run_resumed_mid_epoch_ends_as_an_uninterrupted_one(tmp_path, monkeypatc
     for key in ("train_loss", "train_top1", "train_images", "steps", "global_step", "top1"):
         assert [e[key] for e in resumed["epochs"]] == [e[key] for e in straight["epochs"]], key
     assert resumed["epochs"][1]["steps"] == 8
+    runs = [next(Path(tmp_path, d).rglob("metrics.jsonl")).parent for d in ("straight", "resumed")]
+    compare = [sys.executable, str(ROOT / "scripts" / "compare_runs.py")]
+    same = subprocess.run([*compare, *map(str, runs)], capture_output=True, text=True)
+    assert same.returncode == 0 and "2 epochs in common (1-2" in same.stdout, same.stdout + same.stderr
+    lines = (runs[1] / "metrics.jsonl").read_text().splitlines()
+    tampered = json.loads(lines[1]) | {"train_loss": 0.0}
+    (tmp_path / "tampered.jsonl").write_text(lines[0] + "\n" + json.dumps(tampered) + "\n")
+    differs = subprocess.run([*compare, str(runs[0]), str(tmp_path / "tampered.jsonl")], capture_output=True, text=True)
+    assert differs.returncode == 1 and "epoch 1: equal" in differs.stdout, differs.stdout + differs.stderr
+    assert "epoch 2: differs in train_loss: " in differs.stdout and "first at epoch 2" in differs.stdout
+    missing = subprocess.run([*compare, str(runs[0]), str(tmp_path / "nowhere")], capture_output=True, text=True)
+    assert missing.returncode == 1 and "nowhere does not exist" in missing.stderr
 
 
 def test_mid_epoch_checkpoints_need_a_resumable_loader(tmp_path):

@@ -145,6 +145,10 @@ def _progress(loader, enabled, desc):
 
 
 PARTIAL_KEYS = ("steps", "loss_sum", "correct", "seen", "compute_time", "timed_images", "wall")
+# What an epoch's metrics line says about the machine rather than the training: two runs that trained
+# identically (a resumed run and an uninterrupted one, the same run on two machines) may differ only in these.
+MACHINE_KEYS = ("throughput_img_s", "throughput_with_data_img_s", "peak_mem_bytes", "peak_mem_how",
+                "peak_rss_epoch_bytes", "codec_backends", "notes")
 
 
 def train_one_epoch(model: nn.Module, method, loader, optimizer, scheduler, state: StepState, epoch: int,

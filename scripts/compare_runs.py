@@ -1,0 +1,66 @@
+"""Whether two runs trained identically: their metrics.jsonl lines compared epoch by epoch, field by field,
+leaving out what describes the machine (timings, process memory, codec backends; ``MACHINE_KEYS``).
+Checks that a resumed or restarted run repeats an earlier one. Exit status 0 when every epoch both runs
+hold agrees, 1 when one differs.
+
+    python scripts/compare_runs.py results/runs/EXP/RUN_ID results/partial/EXP/RUN_ID
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from division.engine import MACHINE_KEYS  # noqa: E402
+
+
+def read_epochs(path: Path) -> dict:
+    """Epoch number -> metrics line, from a run folder or its metrics.jsonl."""
+    file = path / "metrics.jsonl" if path.is_dir() else path
+    if not file.is_file():
+        raise SystemExit(f"error: {file} does not exist; pass a run folder holding metrics.jsonl, or the file")
+    epochs = {}
+    for number, line in enumerate(file.read_text().splitlines(), 1):
+        if line.strip():
+            row = json.loads(line)
+            if "epoch" not in row:
+                raise SystemExit(f"error: {file} line {number} has no 'epoch' field; is it a run's metrics.jsonl?")
+            epochs[row["epoch"]] = row
+    return epochs
+
+
+def compare(a: dict, b: dict, ignore=MACHINE_KEYS) -> dict:
+    """Epoch -> {field: (a's value, b's value)} for every field outside ``ignore`` that differs, over the
+    epochs both runs hold; a field one line lacks counts as differing."""
+    out = {}
+    for epoch in sorted(a.keys() & b.keys()):
+        keys = (a[epoch].keys() | b[epoch].keys()) - set(ignore)
+        out[epoch] = {k: (a[epoch].get(k), b[epoch].get(k)) for k in sorted(keys)
+                      if a[epoch].get(k, KeyError) != b[epoch].get(k, KeyError)}
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_a", type=Path)
+    parser.add_argument("run_b", type=Path)
+    parser.add_argument("--also-ignore", nargs="*", default=[], metavar="FIELD",
+                        help=f"fields to leave out besides {', '.join(MACHINE_KEYS)}")
+    args = parser.parse_args()
+    a, b = read_epochs(args.run_a), read_epochs(args.run_b)
+    diffs = compare(a, b, MACHINE_KEYS + tuple(args.also_ignore))
+    if not diffs:
+        raise SystemExit(f"error: no epoch in common ({args.run_a}: {sorted(a) or 'none'}; "
+                         f"{args.run_b}: {sorted(b) or 'none'})")
+    for epoch, fields in diffs.items():
+        said = ", ".join(f"{k}: {va!r} vs {vb!r}" for k, (va, vb) in fields.items())
+        print(f"epoch {epoch}: " + (f"differs in {said}" if fields else "equal"))
+    differing = [e for e, f in diffs.items() if f]
+    print(f"{len(diffs)} epochs in common ({min(diffs)}-{max(diffs)}; {args.run_a} holds {len(a)}, {args.run_b} "
+          f"{len(b)}): " + (f"{len(differing)} differ, first at epoch {differing[0]}" if differing else
+                           "every field equal outside " + ", ".join(MACHINE_KEYS + tuple(args.also_ignore))))
+    sys.exit(1 if differing else 0)
+
+
+if __name__ == "__main__":
+    main()
