@@ -1,7 +1,7 @@
 """Whether two runs trained identically: their metrics.jsonl lines compared epoch by epoch, field by field,
-leaving out what describes the machine (timings, process memory, codec backends; ``MACHINE_KEYS``).
+leaving out what describes the machine (timings, process memory, codec backends, notes; ``MACHINE_KEYS``).
 Checks that a resumed or restarted run repeats an earlier one. Exit status 0 when every epoch both runs
-hold agrees, 1 when one differs.
+hold agrees, 1 when one differs, 2 when an input cannot be read as a run's metrics.
 
     python scripts/compare_runs.py results/runs/EXP/RUN_ID results/partial/EXP/RUN_ID
 """
@@ -14,17 +14,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from division.engine import MACHINE_KEYS  # noqa: E402
 
 
+def fail(message: str):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def read_epochs(path: Path) -> dict:
     """Epoch number -> metrics line, from a run folder or its metrics.jsonl."""
     file = path / "metrics.jsonl" if path.is_dir() else path
     if not file.is_file():
-        raise SystemExit(f"error: {file} does not exist; pass a run folder holding metrics.jsonl, or the file")
+        fail(f"{file} does not exist; pass a run folder holding metrics.jsonl, or the file")
     epochs = {}
     for number, line in enumerate(file.read_text().splitlines(), 1):
         if line.strip():
-            row = json.loads(line)
-            if "epoch" not in row:
-                raise SystemExit(f"error: {file} line {number} has no 'epoch' field; is it a run's metrics.jsonl?")
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                fail(f"{file} line {number} is not JSON ({err.msg}); is it a run's metrics.jsonl?")
+            if not isinstance(row, dict) or "epoch" not in row:
+                fail(f"{file} line {number} has no 'epoch' field; is it a run's metrics.jsonl?")
             epochs[row["epoch"]] = row
     return epochs
 
@@ -50,8 +58,7 @@ def main():
     a, b = read_epochs(args.run_a), read_epochs(args.run_b)
     diffs = compare(a, b, MACHINE_KEYS + tuple(args.also_ignore))
     if not diffs:
-        raise SystemExit(f"error: no epoch in common ({args.run_a}: {sorted(a) or 'none'}; "
-                         f"{args.run_b}: {sorted(b) or 'none'})")
+        fail(f"no epoch in common ({args.run_a}: {sorted(a) or 'none'}; {args.run_b}: {sorted(b) or 'none'})")
     for epoch, fields in diffs.items():
         said = ", ".join(f"{k}: {va!r} vs {vb!r}" for k, (va, vb) in fields.items())
         print(f"epoch {epoch}: " + (f"differs in {said}" if fields else "equal"))

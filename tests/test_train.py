@@ -264,7 +264,10 @@ def test_run_resumed_mid_epoch_ends_as_an_uninterrupted_one(tmp_path, monkeypatc
     assert differs.returncode == 1 and "epoch 1: equal" in differs.stdout, differs.stdout + differs.stderr
     assert "epoch 2: differs in train_loss: " in differs.stdout and "first at epoch 2" in differs.stdout
     missing = subprocess.run([*compare, str(runs[0]), str(tmp_path / "nowhere")], capture_output=True, text=True)
-    assert missing.returncode == 1 and "nowhere does not exist" in missing.stderr
+    assert missing.returncode == 2 and "nowhere does not exist" in missing.stderr
+    (tmp_path / "cut.jsonl").write_text(lines[0] + "\n" + lines[1][:40] + "\n")
+    cut = subprocess.run([*compare, str(runs[0]), str(tmp_path / "cut.jsonl")], capture_output=True, text=True)
+    assert cut.returncode == 2 and "cut.jsonl line 2 is not JSON" in cut.stderr, cut.stderr
 
 
 def test_mid_epoch_checkpoints_need_a_resumable_loader(tmp_path):
