@@ -42,9 +42,10 @@ def compare(a: dict, b: dict, ignore=MACHINE_KEYS) -> dict:
     epochs both runs hold; a field one line lacks counts as differing."""
     out = {}
     for epoch in sorted(a.keys() & b.keys()):
-        keys = (a[epoch].keys() | b[epoch].keys()) - set(ignore)
-        out[epoch] = {k: (a[epoch].get(k), b[epoch].get(k)) for k in sorted(keys)
-                      if a[epoch].get(k, KeyError) != b[epoch].get(k, KeyError)}
+        row_a, row_b = a[epoch], b[epoch]
+        keys = sorted((row_a.keys() | row_b.keys()) - set(ignore))
+        out[epoch] = {k: (row_a.get(k), row_b.get(k)) for k in keys if k not in row_a or k not in row_b
+                      or row_a[k] != row_b[k]}
     return out
 
 
@@ -55,8 +56,9 @@ def main():
     parser.add_argument("--also-ignore", nargs="*", default=[], metavar="FIELD",
                         help=f"fields to leave out besides {', '.join(MACHINE_KEYS)}")
     args = parser.parse_args()
+    ignored = MACHINE_KEYS + tuple(args.also_ignore)
     a, b = read_epochs(args.run_a), read_epochs(args.run_b)
-    diffs = compare(a, b, MACHINE_KEYS + tuple(args.also_ignore))
+    diffs = compare(a, b, ignored)
     if not diffs:
         fail(f"no epoch in common ({args.run_a}: {sorted(a) or 'none'}; {args.run_b}: {sorted(b) or 'none'})")
     for epoch, fields in diffs.items():
@@ -65,7 +67,7 @@ def main():
     differing = [e for e, f in diffs.items() if f]
     print(f"{len(diffs)} epochs in common ({min(diffs)}-{max(diffs)}; {args.run_a} holds {len(a)}, {args.run_b} "
           f"{len(b)}): " + (f"{len(differing)} differ, first at epoch {differing[0]}" if differing else
-                           "every field equal outside " + ", ".join(MACHINE_KEYS + tuple(args.also_ignore))))
+                           "every field equal outside " + ", ".join(ignored)))
     sys.exit(1 if differing else 0)
 
 
