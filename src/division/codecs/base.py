@@ -31,6 +31,40 @@ def bf16_outward(mn: torch.Tensor, mx: torch.Tensor, levels: int):
     return low, truncate(scale, torch.ones_like(scale, dtype=torch.bool))
 
 
+def process_rank() -> int:
+    """This process's rank in the default process group (0 when not distributed)."""
+    import torch.distributed as torch_dist
+    return torch_dist.get_rank() if torch_dist.is_available() and torch_dist.is_initialized() else 0
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
+
+
+def rounding_seed(generator=None, bits: int = 62) -> int:
+    """The seed of one stochastic-rounding kernel call, in [2, 2^bits): drawn from ``generator`` (the CPU
+    default when None, so no device synchronisation) and, on distributed rank r > 0, mixed with r. Every
+    rank seeds its generators alike (identical model initialisation); without the mix every rank would draw
+    the same dither, and rounding errors would be correlated instead of averaging out in the all-reduce.
+    Rank 0 (and a single process) keeps the plain draw. (2 and up: Triton specialises an argument equal to 1.)"""
+    draw = int(torch.randint(0, 2 ** bits, (1,), generator=generator).item())
+    rank = process_rank()
+    if rank:
+        draw = _splitmix64(draw ^ _splitmix64(rank)) >> (64 - bits)
+    return max(draw, 2)
+
+
+def rounding_generator(generator, device):
+    """The generator for the reference quantizer's uniform noise: ``generator`` when given; else the device's
+    default on rank 0, and on other ranks a fresh one seeded by :func:`rounding_seed` (see there why)."""
+    if generator is not None or process_rank() == 0:
+        return generator
+    return torch.Generator(device).manual_seed(rounding_seed(None))
+
+
 def check_backend(backend) -> str:
     """``auto``: Triton kernels for CUDA tensors, the compiled C kernel for CPU tensors, else PyTorch;
     ``reference``: pure PyTorch; ``compiled``: the CPU kernel, an error if it cannot be built; ``triton``: the

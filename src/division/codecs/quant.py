@@ -10,8 +10,8 @@ from typing import Optional
 import torch
 
 from division.codecs.base import (BACKENDS, STAT_DTYPES, VALID_BITS, Packed, _float_kernel, bf16_outward,
-                                  check_backend, check_bits, check_stat_dtype, kernel_library, storage_key,
-                                  unique_nbytes, use_triton)
+                                  check_backend, check_bits, check_stat_dtype, kernel_library, rounding_generator,
+                                  rounding_seed, storage_key, unique_nbytes, use_triton)
 from division.codecs.exact import Bf16Copy, BitMask, FullCopy
 from division.codecs.packing import pack_bits, packed_nbytes, unpack_bits
 
@@ -54,12 +54,10 @@ class QuantizedTensor(Packed):
     def decode(self, dtype: Optional[torch.dtype] = None, lfc=None, map_hw=None, block_hw=None) -> torch.Tensor:
         if self.backend == "triton":
             from division.kernels import triton_codecs
-            out = triton_codecs.decode_rows(self.packed, self.minimum, self.scale, self.bad_rows, self.rows,
-                                            self.row_len, self.bits, lfc, map_hw, block_hw,
-                                            None if self.split is None else self.split.packed)
-            if self.zero_unset:
-                out = self.split.apply(out)
-            return out.to(dtype or self.dtype)
+            return triton_codecs.decode_rows(self.packed, self.minimum, self.scale, self.bad_rows, self.rows,
+                                             self.row_len, self.bits, lfc, map_hw, block_hw,
+                                             None if self.split is None else self.split.packed,
+                                             dtype=dtype or self.dtype, zero_unset=self.zero_unset)
         if self.backend == "compiled" and self.bad_index is None:
             return decode_rows_compiled(self).to(dtype or self.dtype)
         codes = unpack_bits(self.packed, self.bits, self.rows * self.row_len).view(self.rows, self.row_len)
@@ -152,7 +150,7 @@ def quantize_rows_reference(x2d, bits, stochastic=True, minimum=None, maximum=No
     inv_scale = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     v = (xf - mn.unsqueeze(1)).mul_(inv_scale.unsqueeze(1))
     if stochastic:
-        v.add_(torch.rand(v.shape, device=v.device, generator=generator)).floor_()
+        v.add_(torch.rand(v.shape, device=v.device, generator=rounding_generator(generator, v.device))).floor_()
     else:
         v.round_()
     codes = v.clamp_(0, levels).to(torch.uint8)
@@ -185,7 +183,7 @@ def _quantize_split_reference(xf, split, bits, stochastic, generator, stat_bf16,
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     v = (xf - mn.gather(1, pick)).mul_(inv.gather(1, pick))
     if stochastic:
-        v.add_(torch.rand(v.shape, device=v.device, generator=generator)).floor_()
+        v.add_(torch.rand(v.shape, device=v.device, generator=rounding_generator(generator, v.device))).floor_()
     else:
         v.round_()
     codes = v.clamp_(0, levels).to(torch.uint8)
@@ -235,7 +233,7 @@ def encode_maps_compiled(x: torch.Tensor, maps: int, h: int, w: int, block_hw, b
     aligned = (h * w * bits) % 8 == 0
     codes = torch.empty(0 if aligned else numel, dtype=torch.uint8)
     packed = torch.empty(packed_nbytes(numel, bits), dtype=torch.uint8)
-    seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator).item()) if stochastic else 0
+    seed = rounding_seed(generator) if stochastic else 0
     threads = torch.get_num_threads()
     bad = lib.division_encode(xc.data_ptr(), maps, h, w, bh, bw, bits, seed, int(stochastic),
                               None if lfc is None else lfc.data_ptr(), minimum.data_ptr(), scale.data_ptr(),

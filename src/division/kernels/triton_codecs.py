@@ -2,17 +2,26 @@
 without an LFC), ReLU mask pack/apply, and WRPN's k-bit ReLU with its mask.
 
 Layout is the reference's (``division.codecs``): rows of ``row_len`` elements (a (sample, channel) map, or
-an ActNN group), one minimum and scale per row in fp32 or bf16 (two per row with a split mask), codes packed little end first over the flattened
-tensor, 8/bits codes per byte. One program per row; a row is loaded as a (BLOCK/PER, PER) tile so that the
-PER codes of one byte are reduced into it in registers.
+an ActNN group), one minimum and scale per row in fp32 or bf16 (two per row with a split mask), codes packed
+little end first over the flattened tensor, 8/bits codes per byte.
 
-No host synchronisation: the random seed comes from the CPU generator, and a row holding NaN or Inf is not
-inspected on the host. The kernel flags it on the device (``bad`` per row) and decodes it as NaN: the step's
-gradients become non-finite as they would have anyway, and fp16's GradScaler skips the step. (The CPU paths
-keep non-finite elements exactly.)
+Tiling: a row is cut into tiles of at most ``DEFAULT_TILE`` elements, one program per (row, tile), so that
+rows of any length run (Triton caps a block at 2^20 elements, and tiles past about 16K elements spill
+registers). A row that fits one tile is encoded by one fused program (statistics and codes in registers); a
+longer row takes two passes: per-tile minima and maxima, reduced per row on the device, then the codes.
+Offsets into tensors are 64-bit, so tensors past 2^31 elements address correctly.
+
+Arithmetic matches the PyTorch reference where it is deterministic: the same statistics (IEEE division,
+``tl.div_rn``), round half to even for nearest rounding; stochastic rounding draws its own uniform numbers
+(Philox keyed by seed + row, counter = position in the row).
+
+No host synchronisation: the random seed comes from the CPU generator (``rounding_seed``: distinct per
+distributed rank), and a row holding NaN or Inf is not inspected on the host. The kernel flags it on the
+device (``bad`` per row) and decodes it as NaN: the step's gradients become non-finite as they would have
+anyway, and fp16's GradScaler skips the step. (The CPU paths keep non-finite elements exactly.)
 
 With ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors; the tests use that to check them against
-the reference on machines without a GPU.
+the reference on machines without a GPU (with a small ``DEFAULT_TILE`` to exercise multi-tile rows).
 """
 import os
 
@@ -23,6 +32,10 @@ try:
     import triton.language as tl
 except ImportError:  # triton ships with CUDA builds of torch; CPU-only installs may lack it
     triton = tl = None
+
+# Elements per program along a row; tests lower it (monkeypatch) to run multi-tile rows on small tensors.
+DEFAULT_TILE = 4096
+MASK_BLOCK = 1024
 
 
 def available(device: torch.device) -> bool:
@@ -50,97 +63,168 @@ if triton is not None:
         return t.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _range(x, chosen, levels, STAT_BF16: tl.constexpr):
-        """Minimum and scale of the chosen elements (0, 0 when none), bf16-rounded outward if asked."""
+    def _min_max(x, chosen):
+        """Minimum and maximum of the chosen elements of a 2-D tile (+inf, -inf when none)."""
         mn = tl.min(tl.min(tl.where(chosen, x, float("inf")), axis=1), axis=0)
         mx = tl.max(tl.max(tl.where(chosen, x, -float("inf")), axis=1), axis=0)
+        return mn, mx
+
+    @triton.jit
+    def _range(x, chosen, levels, STAT_BF16: tl.constexpr):
+        """Minimum and scale of the chosen elements (0, 0 when none), bf16-rounded outward if asked: the
+        reference's arithmetic (``bf16_outward``, IEEE division)."""
+        mn, mx = _min_max(x, chosen)
+        levels = tl.full((), levels, tl.float32)
         empty = mn > mx
         mn = tl.where(empty, 0.0, mn)
         mx = tl.where(empty, 0.0, mx)
         if STAT_BF16:
             mn = _bf16_down(mn)
-            scale = _bf16_up((mx - mn) / levels)
+            scale = _bf16_up(tl.div_rn(mx - mn, levels))
         else:
-            scale = (mx - mn) / levels
+            scale = tl.div_rn(mx - mn, levels)
         return mn, scale
 
     @triton.jit
-    def _encode_rows(x_ptr, lfc_ptr, packed_ptr, codes_ptr, min_ptr, scale_ptr, bad_ptr, split_ptr, seed,
-                     row_len, w, wb, bh, bw, lfc_row,
-                     BITS: tl.constexpr, PER: tl.constexpr, BLOCK: tl.constexpr, HAS_LFC: tl.constexpr,
-                     STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr, FIXED: tl.constexpr,
-                     SPLIT: tl.constexpr, STAT_BF16: tl.constexpr):
-        row = tl.program_id(0)
-        offs = tl.arange(0, BLOCK // PER)[:, None] * PER + tl.arange(0, PER)[None, :]
+    def _load_tile(x_ptr, lfc_ptr, row, start, row_len, w, wb, bh, bw, lfc_row,
+                   PER: tl.constexpr, TILE: tl.constexpr, HAS_LFC: tl.constexpr):
+        """A tile of one row as a (TILE/PER, PER) fp32 block (the PER codes of a byte in one line), the LFC
+        subtracted, non-finite elements zeroed; with its in-row offsets, bounds mask and a NaN/Inf flag."""
+        offs = start + tl.arange(0, TILE // PER)[:, None] * PER + tl.arange(0, PER)[None, :]
         inside = offs < row_len
-        x = tl.load(x_ptr + row * row_len + offs, mask=inside, other=0.0).to(tl.float32)
+        base = row.to(tl.int64) * row_len
+        x = tl.load(x_ptr + base + offs, mask=inside, other=0.0).to(tl.float32)
         if HAS_LFC:
             block = (offs // w // bh) * wb + (offs % w) // bw
-            low = tl.load(lfc_ptr + row * lfc_row + block, mask=inside, other=0.0).to(tl.float32)
+            low = tl.load(lfc_ptr + row.to(tl.int64) * lfc_row + block, mask=inside, other=0.0).to(tl.float32)
             x = x - low
         finite = (x == x) & (tl.abs(x) < float("inf"))
         bad = tl.max(tl.max(tl.where(inside & ~finite, 1, 0), axis=1), axis=0)
-        x = tl.where(finite, x, 0.0)
+        return tl.where(finite, x, 0.0), offs, inside, bad
+
+    @triton.jit
+    def _split_side(split_ptr, row, row_len, offs, inside):
+        """The split mask's bit for each element (1 = set), as int32."""
+        flat = row.to(tl.int64) * row_len + offs
+        return (tl.load(split_ptr + flat // 8, mask=inside, other=0).to(tl.int32) >> (flat % 8).to(tl.int32)) & 1
+
+    @triton.jit
+    def _round_half_even(v):
+        """torch.round's rounding (ties to even) for v >= 0 below 2^23."""
+        low = tl.floor(v)
+        odd = low - 2.0 * tl.floor(low * 0.5)
+        frac = v - low
+        return tl.where(frac > 0.5, low + 1.0, tl.where(frac < 0.5, low, low + odd))
+
+    @triton.jit
+    def _tile_stats(x_ptr, lfc_ptr, split_ptr, pmin_ptr, pmax_ptr, pbad_ptr, row_len, w, wb, bh, bw, lfc_row,
+                    tiles, PER: tl.constexpr, TILE: tl.constexpr, HAS_LFC: tl.constexpr, SPLIT: tl.constexpr):
+        """Pass 1 of a multi-tile row: this tile's minimum and maximum (per side with a split), and its flag."""
+        row = tl.program_id(0)
+        tile = tl.program_id(1)
+        x, offs, inside, bad = _load_tile(x_ptr, lfc_ptr, row, tile * TILE, row_len, w, wb, bh, bw, lfc_row,
+                                          PER, TILE, HAS_LFC)
+        at = row.to(tl.int64) * tiles + tile
+        tl.store(pbad_ptr + at, bad.to(tl.int8))
+        if SPLIT:
+            side = _split_side(split_ptr, row, row_len, offs, inside) != 0
+            mn0, mx0 = _min_max(x, inside & ~side)
+            mn1, mx1 = _min_max(x, inside & side)
+            tl.store(pmin_ptr + 2 * at, mn0)
+            tl.store(pmax_ptr + 2 * at, mx0)
+            tl.store(pmin_ptr + 2 * at + 1, mn1)
+            tl.store(pmax_ptr + 2 * at + 1, mx1)
+        else:
+            mn, mx = _min_max(x, inside)
+            tl.store(pmin_ptr + at, mn)
+            tl.store(pmax_ptr + at, mx)
+
+    @triton.jit
+    def _encode_tiles(x_ptr, lfc_ptr, packed_ptr, codes_ptr, min_ptr, scale_ptr, bad_ptr, split_ptr, seed,
+                      row_len, w, wb, bh, bw, lfc_row, tiles,
+                      BITS: tl.constexpr, PER: tl.constexpr, TILE: tl.constexpr, HAS_LFC: tl.constexpr,
+                      STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr, STATS: tl.constexpr,
+                      SPLIT: tl.constexpr, STAT_BF16: tl.constexpr):
+        """Codes of one tile. STATS: 0 = the row is this one tile: compute its statistics (and flag) here;
+        1 = read the row's statistics (pass 1 made them, and the flags); 2 = one range for every row, in
+        element 0. The flag goes to bad[row, tile] (one writer each), reduced over tiles by the caller."""
+        row = tl.program_id(0)
+        start = tl.program_id(1) * TILE
+        x, offs, inside, bad = _load_tile(x_ptr, lfc_ptr, row, start, row_len, w, wb, bh, bw, lfc_row,
+                                          PER, TILE, HAS_LFC)
         levels = (1 << BITS) - 1
+        r64 = row.to(tl.int64)
         if SPLIT:  # two ranges, one per side of an exact mask the decoder holds too
-            flat = row * row_len + offs
-            side = ((tl.load(split_ptr + flat // 8, mask=inside, other=0).to(tl.int32) >> (flat % 8)) & 1) != 0
-            mn0, scale0 = _range(x, inside & ~side, levels, STAT_BF16)
-            mn1, scale1 = _range(x, inside & side, levels, STAT_BF16)
-            tl.store(min_ptr + 2 * row, mn0)
-            tl.store(min_ptr + 2 * row + 1, mn1)
-            tl.store(scale_ptr + 2 * row, scale0)
-            tl.store(scale_ptr + 2 * row + 1, scale1)
+            side = _split_side(split_ptr, row, row_len, offs, inside) != 0
+            if STATS == 0:
+                mn0, scale0 = _range(x, inside & ~side, levels, STAT_BF16)
+                mn1, scale1 = _range(x, inside & side, levels, STAT_BF16)
+                tl.store(min_ptr + 2 * r64, mn0)
+                tl.store(min_ptr + 2 * r64 + 1, mn1)
+                tl.store(scale_ptr + 2 * r64, scale0)
+                tl.store(scale_ptr + 2 * r64 + 1, scale1)
+            else:
+                mn0 = tl.load(min_ptr + 2 * r64)
+                mn1 = tl.load(min_ptr + 2 * r64 + 1)
+                scale0 = tl.load(scale_ptr + 2 * r64)
+                scale1 = tl.load(scale_ptr + 2 * r64 + 1)
             mn = tl.where(side, mn1, mn0)
             scale = tl.where(side, scale1, scale0)
-        elif FIXED:  # one range for every row (BLPA), given in element 0
+        elif STATS == 2:
             mn = tl.load(min_ptr)
             scale = tl.load(scale_ptr)
+        elif STATS == 1:
+            mn = tl.load(min_ptr + r64)
+            scale = tl.load(scale_ptr + r64)
         else:
             mn, scale = _range(x, inside, levels, STAT_BF16)
-        inv = tl.where(scale > 0, 1.0 / scale, 0.0)
+            tl.store(min_ptr + r64, mn)
+            tl.store(scale_ptr + r64, scale)
+        if STATS != 1:
+            tl.store(bad_ptr + r64 * tiles + tl.program_id(1), bad.to(tl.int8))
+        inv = tl.where(scale > 0, tl.div_rn(tl.full((), 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
         v = (x - mn) * inv
         if STOCHASTIC:
-            v = v + tl.rand(seed, row * row_len + offs)
+            q = tl.floor(v + tl.rand(seed + r64, offs))
         else:
-            v = v + 0.5
-        q = tl.minimum(tl.maximum(tl.floor(v), 0.0), levels).to(tl.int32)
-        if not FIXED and not SPLIT:
-            tl.store(min_ptr + row, mn)
-            tl.store(scale_ptr + row, scale)
-        tl.store(bad_ptr + row, bad.to(tl.int8))
+            q = _round_half_even(v)
+        q = tl.minimum(tl.maximum(q, 0.0), levels).to(tl.int32)
         if ALIGNED:
             shifts = (tl.arange(0, PER) * BITS)[None, :]
             byte = tl.sum(q << shifts, axis=1)
-            bytes_at = tl.arange(0, BLOCK // PER)
-            tl.store(packed_ptr + row * (row_len // PER) + bytes_at, byte.to(tl.uint8),
+            bytes_at = start // PER + tl.arange(0, TILE // PER)
+            tl.store(packed_ptr + r64 * (row_len // PER) + bytes_at, byte.to(tl.uint8),
                      mask=bytes_at * PER < row_len)
         else:
-            tl.store(codes_ptr + row * row_len + offs, q.to(tl.uint8), mask=inside)
+            tl.store(codes_ptr + r64 * row_len + offs, q.to(tl.uint8), mask=inside)
 
     @triton.jit
-    def _decode_rows(packed_ptr, lfc_ptr, min_ptr, scale_ptr, bad_ptr, out_ptr, split_ptr,
-                     row_len, w, wb, bh, bw, lfc_row,
-                     BITS: tl.constexpr, PER: tl.constexpr, BLOCK: tl.constexpr, HAS_LFC: tl.constexpr,
-                     SHARED: tl.constexpr, SPLIT: tl.constexpr):
+    def _decode_tiles(packed_ptr, lfc_ptr, min_ptr, scale_ptr, bad_ptr, out_ptr, split_ptr,
+                      row_len, w, wb, bh, bw, lfc_row,
+                      BITS: tl.constexpr, PER: tl.constexpr, TILE: tl.constexpr, HAS_LFC: tl.constexpr,
+                      SHARED: tl.constexpr, SPLIT: tl.constexpr, ZERO_UNSET: tl.constexpr):
+        """One tile of a row, written in the output's dtype (no float32 intermediate)."""
         row = tl.program_id(0)
-        stat = 0 if SHARED else row
-        offs = tl.arange(0, BLOCK)
+        r64 = row.to(tl.int64)
+        offs = tl.program_id(1) * TILE + tl.arange(0, TILE)
         inside = offs < row_len
-        flat = row * row_len + offs
+        flat = r64 * row_len + offs
         byte = tl.load(packed_ptr + flat // PER, mask=inside, other=0).to(tl.int32)
-        q = (byte >> ((flat % PER) * BITS)) & ((1 << BITS) - 1)
+        q = (byte >> ((flat % PER).to(tl.int32) * BITS)) & ((1 << BITS) - 1)
         if SPLIT:
-            side = (tl.load(split_ptr + flat // 8, mask=inside, other=0).to(tl.int32) >> (flat % 8)) & 1
-            x = tl.load(min_ptr + 2 * row + side) + q.to(tl.float32) * tl.load(scale_ptr + 2 * row + side)
+            side = (tl.load(split_ptr + flat // 8, mask=inside, other=0).to(tl.int32) >> (flat % 8).to(tl.int32)) & 1
+            x = tl.load(min_ptr + 2 * r64 + side) + q.to(tl.float32) * tl.load(scale_ptr + 2 * r64 + side)
+        elif SHARED:
+            x = tl.load(min_ptr) + q.to(tl.float32) * tl.load(scale_ptr)
         else:
-            x = tl.load(min_ptr + stat) + q.to(tl.float32) * tl.load(scale_ptr + stat)
+            x = tl.load(min_ptr + r64) + q.to(tl.float32) * tl.load(scale_ptr + r64)
         if HAS_LFC:
             block = (offs // w // bh) * wb + (offs % w) // bw
-            x = x + tl.load(lfc_ptr + row * lfc_row + block, mask=inside, other=0.0).to(tl.float32)
-        bad = tl.load(bad_ptr + row)
-        x = tl.where(bad != 0, float("nan"), x)
-        tl.store(out_ptr + flat, x, mask=inside)
+            x = x + tl.load(lfc_ptr + r64 * lfc_row + block, mask=inside, other=0.0).to(tl.float32)
+        x = tl.where(tl.load(bad_ptr + r64) != 0, float("nan"), x)
+        if ZERO_UNSET:  # a ReLU's zeros: exactly 0 where the split mask is unset
+            x = tl.where(side != 0, x, 0.0)
+        tl.store(out_ptr + flat, x.to(out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _mask_tile(start, BLOCK: tl.constexpr):
@@ -155,8 +239,12 @@ if triton is not None:
         tl.store(out_ptr + byte_at, tl.sum(bits, axis=1).to(tl.uint8), mask=byte_at * 8 < n)
 
     @triton.jit
+    def _block_start(BLOCK: tl.constexpr):
+        return tl.program_id(0).to(tl.int64) * BLOCK
+
+    @triton.jit
     def _mask_positive(y_ptr, out_ptr, n, BLOCK: tl.constexpr):
-        start = tl.program_id(0) * BLOCK
+        start = _block_start(BLOCK)
         offs = _mask_tile(start, BLOCK)
         y = tl.load(y_ptr + offs, mask=offs < n, other=0.0)
         _store_mask_bytes(out_ptr, y > 0, start, n, BLOCK)
@@ -165,29 +253,62 @@ if triton is not None:
     def _quant_relu_mask(x_ptr, y_ptr, out_ptr, n, levels, BLOCK: tl.constexpr):
         """y = round_half_even(clamp(x, 0, 1) * levels) / levels (NaN kept), and the mask 0 < x < 1 packed as
         _mask_positive packs it."""
-        start = tl.program_id(0) * BLOCK
+        start = _block_start(BLOCK)
         offs = _mask_tile(start, BLOCK)
         inside = offs < n
         x = tl.load(x_ptr + offs, mask=inside, other=0.0)
-        v = tl.minimum(tl.maximum(x, 0.0), 1.0) * levels
-        low = tl.floor(v)
-        odd = low - 2.0 * tl.floor(low * 0.5)
-        up = v - low
-        rounded = tl.where(up > 0.5, low + 1.0, tl.where(up < 0.5, low, low + odd))
+        rounded = _round_half_even(tl.minimum(tl.maximum(x, 0.0), 1.0) * levels)
         tl.store(y_ptr + offs, tl.where(x != x, x, tl.div_rn(rounded, levels)), mask=inside)
         _store_mask_bytes(out_ptr, (x > 0) & (x < 1), start, n, BLOCK)
 
     @triton.jit
     def _mask_apply(g_ptr, mask_ptr, out_ptr, n, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        offs = _block_start(BLOCK) + tl.arange(0, BLOCK)
         inside = offs < n
         g = tl.load(g_ptr + offs, mask=inside, other=0.0)
-        keep = (tl.load(mask_ptr + offs // 8, mask=inside, other=0).to(tl.int32) >> (offs % 8)) & 1
+        keep = (tl.load(mask_ptr + offs // 8, mask=inside, other=0).to(tl.int32) >> (offs % 8).to(tl.int32)) & 1
         tl.store(out_ptr + offs, tl.where(keep != 0, g, 0.0), mask=inside)
 
 
-def _block(row_len: int, per: int) -> int:
-    return max(triton.next_power_of_2(row_len), per, 16)
+def tile_size(row_len: int, per: int = 1) -> int:
+    """Elements per program along a row: the row rounded up to a power of two, at most DEFAULT_TILE, at
+    least 16 and one byte's codes."""
+    return max(min(triton.next_power_of_2(row_len), DEFAULT_TILE), per, 16)
+
+
+def _check_row_len(row_len: int):
+    if row_len >= 2 ** 31:
+        raise ValueError(f"row_len={row_len} is too long for the Triton codecs (offsets within a row are 32-bit); "
+                         "rows must have fewer than 2^31 elements")
+
+
+def _geometry(row_len, map_hw, block_hw):
+    """(w, blocks per map row, bh, bw, LFC elements per row) for the kernels' LFC indexing."""
+    h, w = map_hw if map_hw else (1, row_len)
+    bh, bw = block_hw if block_hw else (1, 1)
+    wb = -(-w // bw)
+    return w, wb, bh, bw, (-(-h // bh)) * wb
+
+
+def _row_statistics(xc, lfc, split, rows, row_len, bits, tile, geometry, stat_bf16):
+    """Pass 1 for rows longer than one tile: per-row (minimum, scale) laid out [row, side] and the NaN/Inf
+    flag per row, reduced on the device with the reference's arithmetic (no host synchronisation)."""
+    from division.codecs.base import bf16_outward
+    tiles = triton.cdiv(row_len, tile)
+    sides = 2 if split is not None else 1
+    pmin = torch.empty(rows * tiles * sides, dtype=torch.float32, device=xc.device)
+    pmax = torch.empty_like(pmin)
+    pbad = torch.empty(rows * tiles, dtype=torch.int8, device=xc.device)
+    _tile_stats[(rows, tiles)](xc, lfc if lfc is not None else xc, split if split is not None else pbad,
+                               pmin, pmax, pbad, row_len, *geometry, tiles, PER=8 // bits, TILE=tile,
+                               HAS_LFC=lfc is not None, SPLIT=split is not None)
+    mn = pmin.view(rows, tiles, sides).amin(1).reshape(-1)
+    mx = pmax.view(rows, tiles, sides).amax(1).reshape(-1)
+    empty = mn > mx
+    mn, mx = mn.masked_fill(empty, 0.0), mx.masked_fill(empty, 0.0)
+    levels = (1 << bits) - 1
+    mn, scale = bf16_outward(mn, mx, levels) if stat_bf16 else (mn, (mx - mn) / levels)
+    return mn.contiguous(), scale.contiguous(), pbad.view(rows, tiles).amax(1)
 
 
 def encode_rows(x: torch.Tensor, rows: int, row_len: int, bits: int, stochastic: bool, lfc=None, map_hw=None,
@@ -197,54 +318,62 @@ def encode_rows(x: torch.Tensor, rows: int, row_len: int, bits: int, stochastic:
     ``split`` (packed mask bits over the flattened x): two ranges per row, laid out [row, side];
     ``stat_bf16``: statistics rounded outward to bf16 (returned as bf16).
     Returns (packed, minimum, scale, bad) on x's device (minimum and scale of one element when shared)."""
+    from division.codecs.base import rounding_seed
     from division.codecs.packing import pack_bits, packed_nbytes
+    _check_row_len(row_len)
     xc = x.contiguous()
     per = 8 // bits
     aligned = row_len % per == 0
     dev = x.device
+    tile = tile_size(row_len, per)
+    tiles = triton.cdiv(row_len, tile)
+    geometry = _geometry(row_len, map_hw, block_hw)
+    stat_bf16 = bool(stat_bf16) and fixed_range is None
     packed = torch.empty(packed_nbytes(rows * row_len, bits), dtype=torch.uint8, device=dev)
     codes = torch.empty(0 if aligned else rows * row_len, dtype=torch.uint8, device=dev)
     if fixed_range is not None:
+        stats = 2
         minimum = fixed_range[0].float().reshape(1).contiguous()
         scale = ((fixed_range[1].float() - fixed_range[0].float()) / ((1 << bits) - 1)).reshape(1).contiguous()
+        bad = torch.empty(rows * tiles, dtype=torch.int8, device=dev)
+    elif tiles > 1:
+        stats = 1
+        minimum, scale, bad = _row_statistics(xc, lfc, split, rows, row_len, bits, tile, geometry, stat_bf16)
     else:
+        stats = 0
         minimum = torch.empty(rows * (2 if split is not None else 1), dtype=torch.float32, device=dev)
         scale = torch.empty_like(minimum)
-    bad = torch.empty(rows, dtype=torch.int8, device=dev)
-    seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=generator).item()) if stochastic else 0
-    h, w = map_hw if map_hw else (1, row_len)
-    bh, bw = block_hw if block_hw else (1, 1)
-    wb = -(-w // bw)
-    lfc_row = (-(-h // bh)) * wb
-    _encode_rows[(rows,)](xc, lfc if lfc is not None else xc, packed, codes, minimum, scale, bad,
-                          split if split is not None else packed, seed, row_len, w, wb, bh, bw, lfc_row, BITS=bits,
-                          PER=per, BLOCK=_block(row_len, per), HAS_LFC=lfc is not None,
-                          STOCHASTIC=bool(stochastic), ALIGNED=aligned, FIXED=fixed_range is not None,
-                          SPLIT=split is not None, STAT_BF16=bool(stat_bf16) and fixed_range is None)
+        bad = torch.empty(rows, dtype=torch.int8, device=dev)
+    seed = rounding_seed(generator, bits=31) if stochastic else 0
+    _encode_tiles[(rows, tiles)](xc, lfc if lfc is not None else xc, packed, codes, minimum, scale, bad,
+                                 split if split is not None else packed, seed, row_len, *geometry, tiles, BITS=bits,
+                                 PER=per, TILE=tile, HAS_LFC=lfc is not None, STOCHASTIC=bool(stochastic),
+                                 ALIGNED=aligned, STATS=stats, SPLIT=split is not None, STAT_BF16=stat_bf16)
+    if stats == 2 and tiles > 1:
+        bad = bad.view(rows, tiles).amax(1)
     if not aligned:
         packed = pack_bits(codes, bits)
-    if stat_bf16 and fixed_range is None:
+    if stat_bf16:
         minimum, scale = minimum.to(torch.bfloat16), scale.to(torch.bfloat16)  # exact: bf16 values
     return packed, minimum, scale, bad
 
 
 def decode_rows(packed, minimum, scale, bad, rows: int, row_len: int, bits: int, lfc=None, map_hw=None,
-                block_hw=None, split=None) -> torch.Tensor:
-    """Inverse of :func:`encode_rows`: a float32 (rows, row_len) tensor; flagged rows come back as NaN."""
-    out = torch.empty(rows, row_len, dtype=torch.float32, device=packed.device)
-    h, w = map_hw if map_hw else (1, row_len)
-    bh, bw = block_hw if block_hw else (1, 1)
-    wb = -(-w // bw)
+                block_hw=None, split=None, dtype: torch.dtype = torch.float32,
+                zero_unset: bool = False) -> torch.Tensor:
+    """Inverse of :func:`encode_rows`: a (rows, row_len) tensor of ``dtype`` (the dtype backward needs,
+    written directly); flagged rows come back as NaN; ``zero_unset``: exactly 0 where ``split`` is unset."""
+    _check_row_len(row_len)
+    out = torch.empty(rows, row_len, dtype=dtype, device=packed.device)
     minimum, scale = minimum.float(), scale.float()
-    _decode_rows[(rows,)](packed, lfc if lfc is not None else minimum, minimum, scale, bad, out,
-                          split if split is not None else packed, row_len, w, wb, bh, bw, (-(-h // bh)) * wb,
-                          BITS=bits, PER=8 // bits, BLOCK=max(triton.next_power_of_2(row_len), 16),
-                          HAS_LFC=lfc is not None, SHARED=minimum.numel() == 1 and rows > 1,
-                          SPLIT=split is not None)
+    tile = tile_size(row_len)
+    _decode_tiles[(rows, triton.cdiv(row_len, tile))](
+        packed, lfc if lfc is not None else minimum, minimum, scale, bad, out,
+        split if split is not None else packed, row_len, *_geometry(row_len, map_hw, block_hw),
+        BITS=bits, PER=8 // bits, TILE=tile, HAS_LFC=lfc is not None,
+        SHARED=minimum.numel() == 1 and rows > 1 and split is None, SPLIT=split is not None,
+        ZERO_UNSET=bool(zero_unset) and split is not None)
     return out
-
-
-MASK_BLOCK = 1024
 
 
 def mask_positive(y: torch.Tensor) -> torch.Tensor:
