@@ -69,7 +69,8 @@ def code_version(root: Path = ROOT) -> str:
     Unlike the commit, it does not change when only documentation or results are committed, and it does
     change with uncommitted edits."""
     h = hashlib.sha1()
-    files = sorted([*(root / "src" / "division").rglob("*.py"), *(root / "src" / "division").rglob("*.c"),
+    package = root / "src" / "division"
+    files = sorted([*(f for ext in ("py", "c", "h", "yaml") for f in package.rglob(f"*.{ext}")),
                     *(root / "configs").rglob("*.yaml")])
     for f in files:
         h.update(str(f.relative_to(root)).encode())

@@ -102,11 +102,18 @@ def restore_codes(kept: torch.Tensor, count: int, mask: BitMask, numel: int, bit
     return out
 
 
+def _compacts_here(packed: Packed) -> bool:
+    """Compaction sizes its output by the count of positive elements, which the host must read: on the CPU
+    that is free; on a GPU it would be a synchronisation per layer (stalling the launch queue), so codes stay
+    in full layout there."""
+    return all(t.device.type == "cpu" for t in packed.tensors() if t is not None)
+
+
 def compact_relu(packed: Packed, mask: BitMask, backend: str = "auto") -> Packed:
     """``packed`` (a codec's output for a ReLU output whose exact ``mask`` is held) with codes only where the
     mask is set; ``packed`` unchanged where its layout does not allow it. ``backend`` as the codecs'."""
     part = _quantized_part(packed)
-    if part is None:
+    if part is None or not _compacts_here(packed):
         return packed
     q: QuantizedTensor = getattr(packed, part)
     numel = q.rows * q.row_len

@@ -28,7 +28,7 @@ class _Conv2dFn(torch.autograd.Function):
         grad, w = grad.to(dtype), weight.to(dtype)
         shape = ctx.saved.packed_shape
         pointwise = weight.shape[2:] == (1, 1) and tuple(padding) == (0, 0) and groups == 1
-        per_sample = pointwise and grad.shape[2] * grad.shape[3] >= _PER_SAMPLE_MIN_PIXELS
+        per_sample = _runs_per_sample(grad, pointwise)
         need_w, need_b = ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]
         gw = gb = gx = None
         if need_w or need_b:
@@ -61,13 +61,23 @@ class _Conv2dFn(torch.autograd.Function):
 _PER_SAMPLE_MIN_PIXELS = 29 * 29
 
 
+def _runs_per_sample(grad, pointwise: bool) -> bool:
+    """Whether a 1x1 convolution's backward runs as per-sample matrix products: on the CPU (where it was
+    tuned) and large maps only. On a GPU it would be 2N tiny kernel launches per layer, where the library's
+    kernels run the whole batch at once."""
+    return pointwise and grad.device.type == "cpu" and grad.shape[2] * grad.shape[3] >= _PER_SAMPLE_MIN_PIXELS
+
+
 def _pointwise_weight_grad(x, grad, stride):
-    """dW of a 1x1 convolution: sum over samples of grad_n (Cout x P) @ x_n^T (P x Cin), P = output pixels."""
+    """dW of a 1x1 convolution: sum over samples of grad_n (Cout x P) @ x_n^T (P x Cin), P = output pixels,
+    accumulated in float32 whatever the inputs' precision (a sum over N samples in fp16 or bf16 would round
+    at every addition), returned in float32."""
     n, cout = grad.shape[:2]
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xs = x[:, :, ::stride[0], ::stride[1]] if tuple(stride) != (1, 1) else x
-    gw = torch.mm(grad[0].reshape(cout, -1), xs[0].reshape(x.shape[1], -1).t())
-    for i in range(1, n):
-        gw.addmm_(grad[i].reshape(cout, -1), xs[i].reshape(x.shape[1], -1).t())
+    gw = torch.zeros(cout, x.shape[1], dtype=acc, device=x.device)
+    for i in range(n):
+        gw.addmm_(grad[i].reshape(cout, -1).to(acc), xs[i].reshape(x.shape[1], -1).t().to(acc))
     return gw.view(cout, x.shape[1], 1, 1)
 
 
