@@ -26,15 +26,24 @@ from division.codecs import BlpaCodec, DivisionCodec
 from division.codecs.compact import compact_relu
 from division.codecs.exact import BitMask
 
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SHAPES = [(256, 56, 56), (64, 112, 112), (1024, 14, 14), (2048, 7, 7)]  # channels, height, width
 
 
-def timed(fn, repeats: int) -> float:
+def _sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, repeats: int, device: torch.device = torch.device("cpu")) -> float:
+    """Median wall time of ``fn`` after one warm-up call, synchronised around each call on a GPU."""
     fn()
     times = []
     for _ in range(repeats):
+        _sync(device)
         start = time.perf_counter()
         fn()
+        _sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -50,7 +59,7 @@ def parse_shapes(text: str):
     return shapes
 
 
-def main(argv=None):
+def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--bits", type=int, default=2)
@@ -64,9 +73,21 @@ def main(argv=None):
                    help="maps as CxHxW, comma-separated (default: ResNet-50's " +
                    ",".join("x".join(map(str, s)) for s in SHAPES) + ")")
     p.add_argument("--glibc-default", action="store_true", help="do not change glibc's mmap threshold")
+    p.add_argument("--device", default="cpu", help="cpu (compiled kernel vs reference) or cuda (Triton vs reference)")
+    p.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="the activations' dtype (fp16 as under "
+                   "fp16 autocast on a GPU)")
     args = p.parse_args(argv)
-    out = args.out or str(results.ROOT / "results" / "codec" / ("compact_cpu.json" if args.relu_compact
-                                                                 else "codec_cpu.json"))
+    if torch.device(args.device).type not in ("cpu", "cuda"):
+        p.error(f"--device {args.device!r} is invalid; valid choices: cpu, cuda")
+    return args
+
+
+def main(argv=None):
+    args = parse(argv)
+    device = torch.device(args.device)
+    tag = "cpu" if device.type == "cpu" else "gpu_" + results.device_tag(device)
+    out = args.out or str(results.ROOT / "results" / "codec" / (f"compact_{tag}.json" if args.relu_compact
+                                                                 else f"codec_{tag}.json"))
     malloc = "glibc default" if args.glibc_default else ("heap reuse below 32 MiB" if peak.reuse_freed_memory()
                                                          else "glibc default (mallopt unavailable)")
     print(f"threads {torch.get_num_threads()}, batch {args.batch}, {args.bits}-bit HFC, block {args.block}; "
@@ -79,9 +100,9 @@ def main(argv=None):
         return DivisionCodec(args.block, args.bits, backend=backend)
 
     for c, h, w in args.shapes:
-        x = torch.randn(args.batch, c, h, w)
+        x = torch.randn(args.batch, c, h, w, device=device).to(DTYPES[args.dtype])
         y = torch.empty_like(x)
-        copy = timed(lambda: y.copy_(x), args.repeats)
+        copy = timed(lambda: y.copy_(x), args.repeats, device)
         rows.append({"codec": "copy_", "shape": [args.batch, c, h, w], "backend": "torch",
                      "encode_ms": copy * 1e3, "encode_gelem_s": x.numel() / copy / 1e9})
         print(f"{'copy_':>8} {str((args.batch, c, h, w)):>18} {'torch':>9} {copy * 1e3:10.1f} "
@@ -97,11 +118,11 @@ def main(argv=None):
         for name, make, encoder in codecs:
             if name == "blpa" and (c, h, w) != args.shapes[0]:
                 continue
-            for backend in ("compiled", "reference"):
+            for backend in ("compiled" if device.type == "cpu" else "triton", "reference"):
                 encode = encoder(make(backend))
                 packed = encode(x)
-                enc = timed(lambda: encode(x), args.repeats)
-                dec = timed(packed.decode, args.repeats)
+                enc = timed(lambda: encode(x), args.repeats, device)
+                dec = timed(packed.decode, args.repeats, device)
                 rows.append({"codec": name, "shape": [args.batch, c, h, w], "backend": packed.backend,
                              "encode_ms": enc * 1e3, "encode_gelem_s": x.numel() / enc / 1e9,
                              "decode_ms": dec * 1e3, "decode_gelem_s": x.numel() / dec / 1e9,
@@ -111,9 +132,10 @@ def main(argv=None):
                       f"{r['encode_gelem_s']:8.2f} {r['decode_ms']:10.1f} {r['decode_gelem_s']:8.2f} "
                       f"{r['encode_vs_copy']:8.2f} {r['decode_vs_copy']:8.2f}", flush=True)
     results.write_json(Path(out), {"status": "ok", "threads": torch.get_num_threads(), "bits": args.bits,
+                                   "dtype": args.dtype, "batch": args.batch,
                                    "block": args.block, "repeats": args.repeats, "malloc": malloc,
                                    "relu_compact": args.relu_compact, "rows": rows,
-                                   **results.provenance(torch.device("cpu"))})
+                                   **results.provenance(device)})
     print(f"wrote {results.relative_to_root(out)}")
 
 if __name__ == "__main__":

@@ -1,18 +1,23 @@
-"""One prepared run of every GPU check, within about 8 minutes on one GPU. Everything goes under results/
-labelled with the device name:
+"""One prepared run of every GPU check, inside a time budget (default 530 s, under the 9 minutes a device
+call is planned for), every result labelled with the device's name:
 
-  1. the CUDA and Triton tests (pytest -m cuda, tests/test_triton.py on the real kernels);
-  2. the paper's setting: resnet50 at batch 64 and 256, fp16 autocast, fp / checkpoint / sac / actnn / division / division_plus:
-     activation memory, peak memory, throughput (results/bench/gpu_<device>/);
-  3. the largest batch for fp and division under a memory cap (results/max_batch/gpu_<device>/);
-  4. a short ResNet-18 run, fp vs division (CIFAR-10 when $DATA_DIR has it, else synthetic data; results/runs/).
+  1. tests: the CUDA and Triton tests on the hardware (tests/test_cuda.py, test_triton.py, test_gpu_path.py);
+  2. paper: ResNet-50 at 224, fp16 autocast, batch 256 then 64 and 128: activation memory, peak memory and
+     throughput of fp / checkpoint / sac / actnn / division / division_plus (results/bench/gpu_<device>/);
+  3. paired: DIVISION's and DIVISION+'s throughput against fp's, interleaved steps in one process, batch 256;
+  4. codec: encode/decode speed against copy_ of the same fp16 tensor (results/codec/codec_gpu_<device>.json);
+  5. max batch: fp and division under one memory cap, fp16 (results/max_batch/gpu_<device>/);
+  6. profile: where one DIVISION step's time goes at batch 256 (results/profile/).
 
-    python scripts/gpu_check.py            # on the GPU machine (scripts/gpu_check.sh wraps it)
-    python scripts/gpu_check.py --dry-run  # on CPU: checks that every command composes, runs nothing
+Each step has its own time limit, cut to what is left of the budget; a step that fails or runs out of time
+leaves what it finished (each benchmark configuration is its own file) and the next step runs.
+
+    python scripts/gpu_check.py                  # on the GPU machine (scripts/device/run.sh wraps it)
+    python scripts/gpu_check.py --only tests,paper --budget 300
+    python scripts/gpu_check.py --dry-run        # anywhere: every command composes and parses, nothing runs
 """
 import argparse
-import os
-import re
+import json
 import subprocess
 import sys
 import time
@@ -21,73 +26,127 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-
-def device_tag() -> str:
-    import torch
-    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+PAPER_METHODS = "fp,checkpoint,sac,actnn,division,division_plus"
 
 
-def steps(tag: str, data_dir):
+def steps(tag: str):
+    """(name, command, time limit in seconds) in the order they run: the issue's priorities first."""
     py = sys.executable
-    bench_out = f"results/bench/gpu_{tag}"
-    cifar = ["data=cifar10"] if data_dir and (Path(data_dir) / "cifar10_jpeg.tar.gz").exists() else \
-        ["data=synthetic", "data.image_size=32", "data.train_size=2048", "data.test_size=512"]
-    train = [py, "train.py", "-m", "model=resnet18", "method=fp,division", "trainer.epochs=2", "data.batch_size=256",
-             "trainer.amp=fp16", f"exp_name=gpu_check_{tag}", "paths.runs_dir=${paths.results_dir}/runs",
-             "trainer.progress=false", *cifar]
+    bench = [py, "scripts/bench.py", "--models", "resnet50", "--amp", "fp16", "--device", "cuda",
+             "--suite", f"gpu_{tag}", "--out", f"results/bench/gpu_{tag}"]
     return [
-        ("tests", [py, "-m", "pytest", "-q", "-m", "cuda or not slow", "tests/test_cuda.py", "tests/test_triton.py"], 180),
-        ("paper setting", [py, "scripts/bench.py", "--models", "resnet50", "--batches", "64,256", "--methods",
-                           "fp,checkpoint,sac,actnn,division,division_plus", "--amp", "fp16", "--steps", "10", "--warmup", "3",
-                           "--device", "cuda", "--suite", f"gpu_{tag}", "--out", bench_out], 240),
-        ("max batch", [py, "scripts/max_batch.py", "--model", "resnet50", "--methods", "fp,division", "--budget",
-                       "8GiB", "--device", "cuda", "--start", "32", "--out", f"results/max_batch/gpu_{tag}"], 180),
-        ("cifar resnet18", train, 150),
+        ("tests", [py, "-m", "pytest", "-q", "-x", "-m", "cuda or not slow", "-p", "no:cacheprovider",
+                   "tests/test_cuda.py", "tests/test_triton.py", "tests/test_gpu_path.py"], 130),
+        ("paper", bench + ["--batches", "256,64,128", "--methods", PAPER_METHODS, "--steps", "8", "--warmup", "3"],
+         220),
+        ("paired", bench + ["--batches", "256", "--methods", "fp,division,division_plus", "--paired", "--steps", "12",
+                            "--warmup", "3"], 60),
+        ("codec", [py, "scripts/bench_codec.py", "--device", "cuda", "--dtype", "fp16", "--batch", "64",
+                   "--repeats", "20"], 45),
+        ("max batch", [py, "scripts/max_batch.py", "--model", "resnet50", "--methods", "fp,division", "--amp", "fp16",
+                       "--budget", "16GiB", "--device", "cuda", "--start", "64", "--limit", "2048",
+                       "--out", f"results/max_batch/gpu_{tag}"], 120),
+        ("profile", [py, "scripts/profile_step.py", "--model", "resnet50", "--method", "division", "--batch", "256",
+                     "--amp", "fp16", "--device", "cuda"], 40),
     ]
 
 
 def dry_run(plan):
-    """Every train.py command composes with Hydra; every script's arguments parse."""
-    from hydra import compose, initialize_config_dir
+    """Every script's arguments parse, and the pytest selection collects, without a GPU."""
+    import importlib
+    sys.path.insert(0, str(ROOT / "scripts"))
     from division import bench, maxbatch
     for name, cmd, _ in plan:
-        if cmd[1] == "train.py":
-            sweeps = [a for a in cmd[2:] if a != "-m"]
-            fixed = [a for a in sweeps if "," not in a.split("=", 1)[-1] or a.startswith("paths.")]
-            for method in ("fp", "division"):
-                with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "configs")):
-                    compose("train", overrides=[a for a in fixed if not a.startswith("method=")] + [f"method={method}"])
-        elif cmd[1] == "scripts/bench.py":
+        script = cmd[1]
+        if script == "scripts/bench.py":
             bench.parse(cmd[2:])
-        elif cmd[1] == "scripts/max_batch.py":
+        elif script == "scripts/max_batch.py":
             maxbatch.parse(cmd[2:])
+        elif script == "-m":
+            rc = subprocess.run(cmd[:3] + ["--collect-only"] + cmd[3:], cwd=ROOT, capture_output=True).returncode
+            if rc != 0:
+                raise SystemExit(f"{name}: pytest cannot collect {' '.join(cmd[2:])}")
+        else:
+            importlib.import_module(Path(script).stem).parse(cmd[2:])
         print(f"ok   {name}: {' '.join(cmd[1:])}")
+
+
+def run_plan(plan, budget: float, reserve: float = 10.0):
+    """Run each step within min(its limit, what is left of the budget); returns [(name, status, seconds)]."""
+    start = time.time()
+    done = []
+    for name, cmd, limit in plan:
+        left = budget - (time.time() - start) - reserve
+        if left < 15:
+            done.append((name, "skipped (budget spent)", 0.0))
+            print(f"== {name}: skipped, {left:.0f} s left of the budget", flush=True)
+            continue
+        t0 = time.time()
+        print(f"== {name} (limit {min(limit, left):.0f} s): {' '.join(cmd[1:])}", flush=True)
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, timeout=min(limit, left)).returncode
+            status = "ok" if rc == 0 else f"FAILED (exit {rc})"
+        except subprocess.TimeoutExpired:
+            status = "TIMEOUT (finished parts kept)"
+        done.append((name, status, time.time() - t0))
+        print(f"== {name}: {status} in {time.time() - t0:.0f} s", flush=True)
+    return done
+
+
+def summary(tag: str, done) -> str:
+    """One screen: each step's status, then the headline figures read back from the result files."""
+    lines = [f"device {tag}"] + [f"{name:10s} {status} ({sec:.0f} s)" for name, status, sec in done]
+    for f in sorted((ROOT / "results" / "bench" / f"gpu_{tag}").glob("*.json")):
+        r = json.loads(f.read_text())
+        if r.get("status") == "ok" and "act_compression" in r:
+            lines.append(f"b{r.get('batch_size')} {r.get('method'):14s} {r['act_compression']:6.2f}x "
+                         f"held {r['act_mem_bytes'] / 2**20:8.0f} MiB peak {r['peak_mem_bytes'] / 2**20:7.0f} MiB "
+                         f"{r['throughput_img_s']:8.1f} img/s")
+        elif r.get("methods"):
+            lines += [f"paired b{r.get('batch_size')} {m['method']:14s} {m['relative_to_first']:.3f} of fp"
+                      for m in r["methods"]]
+        else:
+            lines.append(f"{f.name}: {r.get('status')}")
+    codec = ROOT / "results" / "codec" / f"codec_gpu_{tag}.json"
+    if codec.exists():
+        for row in json.loads(codec.read_text())["rows"]:
+            if "encode_vs_copy" in row:
+                lines.append(f"codec {row['codec']:8s} {row['backend']:9s} {row['shape']} enc/copy "
+                             f"{row['encode_vs_copy']:.2f} dec/copy {row['decode_vs_copy']:.2f}")
+    for f in sorted((ROOT / "results" / "max_batch" / f"gpu_{tag}").glob("*.json")):
+        r = json.loads(f.read_text())
+        lines.append(f"max batch {r['method']}: {r['max_batch']} within {r['budget']}")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--budget", type=float, default=530.0, help="seconds for all steps together")
+    p.add_argument("--only", default="", help="comma-separated step names (default: all)")
+    p.add_argument("--summary", default=None, help="also write the summary to this file")
     args = p.parse_args(argv)
-    tag = "dry_run" if args.dry_run else device_tag()
-    plan = steps(tag, os.environ.get("DATA_DIR"))
+    import torch
+    from division.results import device_tag
+    plan = steps("dry_run" if args.dry_run else device_tag(torch.device("cuda")))
+    if args.only:
+        names = {n for n, _, _ in plan}
+        wanted = set(args.only.split(","))
+        if wanted - names:
+            raise SystemExit(f"--only: unknown steps {sorted(wanted - names)}; valid choices: {sorted(names)}")
+        plan = [s for s in plan if s[0] in wanted]
     if args.dry_run:
         dry_run(plan)
         return
-    failed = []
-    for name, cmd, limit in plan:
-        start = time.time()
-        print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
-        try:
-            rc = subprocess.run(cmd, cwd=ROOT, timeout=limit).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        print(f"== {name}: {'ok' if rc == 0 else f'FAILED ({rc})'} in {time.time() - start:.0f} s", flush=True)
-        if rc != 0:
-            failed.append(name)
-    subprocess.run([sys.executable, "scripts/make_tables.py"], cwd=ROOT)
-    print("failed: " + ", ".join(failed) if failed else "all GPU checks ran")
-    sys.exit(1 if failed else 0)
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run this on the GPU machine, or use --dry-run here")
+    tag = device_tag(torch.device("cuda"))
+    done = run_plan(plan, args.budget)
+    text = summary(tag, done)
+    print(text)
+    if args.summary:
+        Path(args.summary).write_text(text)
+    sys.exit(0 if all(s == "ok" for _, s, _ in done) else 1)
 
 
 if __name__ == "__main__":

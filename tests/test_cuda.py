@@ -104,3 +104,20 @@ def test_cuda_result_device_names_the_fp32_precision():
         assert device_description(torch.device("cuda")).endswith("(convolutions TF32, matmuls fp32)")
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_cuda_offsets_past_2_31_elements():
+    """Tensors of more than 2^31 elements address correctly (64-bit offsets): the last map of a 2.2e9-element
+    tensor, whose offsets exceed 2^31, encodes and decodes as it does alone, and the ReLU mask's last bits are
+    right."""
+    from division.kernels import triton_codecs
+    maps, side = 33, 8192  # 33 * 8192^2 = 2.21e9 elements > 2^31
+    x = torch.randn(maps, 1, side, side, device="cuda", dtype=torch.float16)
+    codec = DivisionCodec(backend="triton", stochastic=False)
+    whole, alone = codec.encode(x), codec.encode(x[-1:].clone())
+    per_map = whole.hfc.packed.numel() // maps
+    assert torch.equal(whole.hfc.packed[-per_map:], alone.hfc.packed)
+    assert torch.equal(whole.decode()[-1], alone.decode()[0])
+    mask = triton_codecs.mask_positive(x)
+    tail = x.reshape(-1)[-64:]
+    assert torch.equal(mask[-8:], BitMask.encode(tail > 0).packed)

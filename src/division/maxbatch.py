@@ -50,6 +50,7 @@ def parse(argv=None):
     p.add_argument("--budget", default="4GiB")
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--device", default="auto")
+    p.add_argument("--amp", default="none", choices=["none", "bf16", "fp16"], help="autocast dtype of the probes")
     p.add_argument("--limit", type=int, default=4096)
     p.add_argument("--start", type=int, default=1, help="first batch tried (doubling from there)")
     p.add_argument("--out", default=str(ROOT / "results" / "max_batch"))
@@ -64,13 +65,14 @@ def main(argv=None):
     budget = parse_bytes(args.budget)
     out = Path(args.out)
     for method in args.methods.split(","):
-        path = out / f"{args.model}_{method}_{args.budget}.json"
+        path = out / f"{args.model}_{method}_{args.budget}{'' if args.amp == 'none' else '_' + args.amp}.json"
         if path.exists():
             print(f"skip {path.name} (exists)")
             continue
         tried, prov = {}, {"device": None}
         bargs = bench_parse(["--image-size", str(args.image_size), "--steps", "1", "--warmup", "1",
-                             "--device", args.device, "--suite", "max_batch", "--no-fp-reference"] +
+                             "--device", args.device, "--amp", args.amp, "--suite", "max_batch",
+                             "--no-fp-reference"] +
                             (["--glibc-default"] if args.glibc_default else []))
 
         def fits(batch: int) -> bool:
@@ -85,6 +87,7 @@ def main(argv=None):
             return used is not None and used <= budget
         best = find_max_batch(fits, args.start, args.limit)
         results.write_json(path, {"status": "ok", "model": args.model, "method": method, "budget": args.budget,
+                                  "amp": args.amp,
                                   "budget_bytes": budget, "max_batch": best, "probes": tried,
                                   "malloc_mmap_threshold": None if args.glibc_default else 65536,
                                   **prov})

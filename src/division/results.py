@@ -3,6 +3,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 from typing import Any, Dict
@@ -50,6 +51,10 @@ def config_hash(cfg: Dict) -> str:
 def git_state(cwd=None):
     """(HEAD's commit, whether tracked files outside ``results/`` differ from it). Results are outputs: a suite
     rerun over committed result files changes them as it goes, and that must not mark its later rows dirty."""
+    if os.environ.get("DIVISION_GIT_SHA") and not (Path(cwd or ROOT) / ".git").exists():
+        # a copy of the working tree without its .git (the GPU recipe): the commit it was copied from, as
+        # recorded before it left (scripts/device/prepare.sh)
+        return os.environ["DIVISION_GIT_SHA"], os.environ.get("DIVISION_GIT_DIRTY", "true") == "true"
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
                              timeout=10).stdout.strip() or None
@@ -126,6 +131,13 @@ def versions() -> Dict[str, str]:
         except Exception:  # an optional library may be missing or broken
             out[mod] = None
     return out
+
+
+def device_tag(device: torch.device) -> str:
+    """A file-name-safe name of the device: the GPU's name (``nvidia_h200``), or ``cpu``."""
+    if device.type != "cuda":
+        return device.type
+    return re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower()).strip("_")
 
 
 def device_description(device: torch.device) -> str:
