@@ -9,14 +9,14 @@ export DATA_DIR := $(abspath ../shared/datasets)
 endif
 endif
 
-.PHONY: setup train test test-slow test-portable tables analysis bench clean
+.PHONY: setup train test test-slow test-wheel test-portable tables analysis bench clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
 	touch $(STAMP)
 
 train: setup
@@ -27,6 +27,11 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow $(ARGS)
+
+# the wheel, installed into fresh environments outside the checkout (Python 3.11 and 3.12 where present)
+WHEEL_PYTHONS ?= 3.11 3.12
+test-wheel: setup
+	DIVISION_WHEEL_PYTHONS="$(WHEEL_PYTHONS)" $(PY) -m pytest -q -m slow tests/test_wheel.py $(ARGS)
 
 # the codec tests with the C kernels built as for CPUs without AVX-512, then without AVX-512 and BMI2
 PORTABLE_TESTS = tests/test_codecs.py tests/test_compact.py tests/test_fused.py
@@ -45,4 +50,4 @@ clean:
 
 SUITE ?= cpu
 bench: setup
-	$(PY) scripts/bench.py --config configs/bench/$(SUITE).yaml $(ARGS)
+	$(PY) scripts/bench.py --config src/division/configs/bench/$(SUITE).yaml $(ARGS)

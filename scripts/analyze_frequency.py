@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from division import results  # noqa: E402
+from division import CONFIG_DIR, results  # noqa: E402
 from division.analysis import (CodecMethod, gradient_error, hfc_only, layer_inputs, lfc_energy_share,  # noqa: E402
                                lfc_only, mean_interval, mean_over_layers, relative_error, weight_grads)
 from division.codecs import DivisionCodec, GroupwiseCodec, PerChannelCodec  # noqa: E402
@@ -108,7 +108,7 @@ def trained_model(args):
         overrides += ["data=synthetic", "data.train_size=64", "data.test_size=32", "data.batch_size=16"]
     elif args.data_root:
         overrides += [f"data.root={args.data_root}"]
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "configs")):
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
         cfg = compose(config_name="train", overrides=overrides + ["skip_done=true"])
     result = run(cfg)
     ckpt = Path(cfg.paths.runs_dir) / "analysis" / result["run_id"] / "checkpoint.pt"
@@ -128,7 +128,7 @@ def real_batch(args):
     overrides = ["data.subset=10"]
     if args.data_root:
         overrides.append(f"data.root={args.data_root}")
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "configs")):
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
         cfg = compose(config_name="train", overrides=overrides)
     cfg.data.test_subset = -(-args.batch // int(cfg.data.num_classes))
     _, test, _ = data_lib.build(cfg.data)

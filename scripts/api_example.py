@@ -14,7 +14,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from division import data as data_lib, results  # noqa: E402
+from division import CONFIG_DIR, data as data_lib, results  # noqa: E402
 
 
 def main(argv=None):
@@ -24,7 +24,7 @@ def main(argv=None):
     p.add_argument("--out", default=str(ROOT / "results" / "api" / "api_example.json"))
     args = p.parse_args(argv)
     from hydra import compose, initialize_config_dir
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "configs")):
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
         cfg = compose(config_name="train", overrides=["data=cifar10", f"data.batch_size={args.batch}", "model=resnet20",
                                                       "method=division", "logger=none", "trainer.max_steps=1",
                                                       "trainer.device=cpu", "trainer.progress=false",

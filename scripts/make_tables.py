@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from division import results  # noqa: E402
+from division import CONFIG_DIR, results  # noqa: E402
 from division.analysis import mean_interval  # noqa: E402
 METHOD_ORDER = ["fp", "checkpoint", "sac", "compile_budget:budget=0.5", "compile_budget:budget=0.1", "swap", "blpa",
                 "mesa", "actnn", "division", "division_nolfc", "division_keep_input", "division_plus", "wrpn"]
@@ -242,7 +242,7 @@ def _rank(method):
 
 def experiments_of(runs):
     """Experiments with a config in configs/experiment/: ad-hoc and smoke runs never enter a table."""
-    known = {p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml")}
+    known = {p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml")}
     return sorted({Path(r["_path"]).parts[0] for r in runs} & known)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG_DIR = str(ROOT / "configs")
+CONFIG_DIR = str(ROOT / "src" / "division" / "configs")
 sys.path.insert(0, str(ROOT / "src"))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 if not torch.cuda.is_available():

@@ -84,3 +84,13 @@ def test_models_choose_their_default_optimizer_and_sgd_lr():
     assert compose(["model=vit_cifar"]).optim.name == "adamw"
     assert compose(["model=vit_cifar", "optim=sgd"]).optim.name == "sgd"
     assert compose(["experiment=paper_imagenet_resnet50"]).optim.lr == 0.1
+
+
+def test_library_method_loading_agrees_with_hydra():
+    """``division.prepare`` reads method files without Hydra (PyYAML and a dict merge): for every method and
+    an override, it gives what ``python train.py method=<name>`` composes."""
+    from division.methods import load_config, method_names
+    for name in method_names():
+        assert load_config(name) == OmegaConf.to_container(compose([f"method={name}"]).method, resolve=True), name
+    hydra_cfg = compose(["method=division_plus", "method.hfc_bits=4", "method.backend=reference"]).method
+    assert load_config("division_plus:hfc_bits=4,backend=reference") == OmegaConf.to_container(hydra_cfg)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import CONFIG_DIR, ROOT
 
 SYN = ["data=synthetic", "model=resnet20", "data.batch_size=8", "data.train_size=64", "data.test_size=16",
        "logger=none", "trainer.progress=false", "trainer.device=cpu"]
@@ -40,6 +40,6 @@ def test_slurm_launcher_composes():
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher",
                         reason="hydra-submitit-launcher not installed (pip install -e '.[slurm]')")
     from hydra import compose as hydra_compose, initialize_config_dir
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "configs")):
+    with initialize_config_dir(version_base="1.3", config_dir=CONFIG_DIR):
         cfg = hydra_compose(config_name="train", overrides=["hydra/launcher=slurm"], return_hydra_config=True)
     assert cfg.hydra.launcher.gpus_per_node >= 1 and cfg.hydra.launcher.timeout_min > 0

@@ -95,9 +95,8 @@ def test_one_host_read_per_training_step(monkeypatch):
 def test_code_version_covers_kernel_headers(tmp_path):
     """A change to a C header changes the kernels, so it must invalidate cached runs."""
     from division.results import code_version
-    header = tmp_path / "src" / "division" / "kernels" / "bits.h"
+    header = tmp_path / "kernels" / "bits.h"
     header.parent.mkdir(parents=True)
-    (tmp_path / "configs").mkdir()
     header.write_text("#define A 1\n")
     before = code_version(tmp_path)
     header.write_text("#define A 2\n")

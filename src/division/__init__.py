@@ -2,7 +2,11 @@
 
 ``division.prepare(model, method="division", **options)`` installs a method on any model; see
 ``division.api``."""
+from pathlib import Path
+
 __version__ = "0.1.0"
+# the Hydra config tree (train.yaml and its groups), shipped inside the package
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
 def __getattr__(name):  # the API on first use, so that ``import division.codecs`` stays light
@@ -12,4 +16,4 @@ def __getattr__(name):  # the API on first use, so that ``import division.codecs
     raise AttributeError(f"module 'division' has no attribute {name!r}")
 
 
-__all__ = ["prepare", "Handle"]
+__all__ = ["prepare", "Handle", "CONFIG_DIR"]

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from division import CONFIG_DIR
 from division.codecs import FullCopy
 from division.codecs.division import block_average, lfc_blocks, upsample_blocks
 from division.codecs.tokens import encode_tokens, token_body
@@ -183,11 +184,10 @@ def cifar10_data_config(data_root=None, synthetic_test_size: int = 0):
     """The data config of the analysis scripts, composed as the runner composes it: the real CIFAR-10 (from
     ``data_root`` or $DATA_DIR), or synthetic 32x32 data with ``synthetic_test_size`` test images."""
     from hydra import compose, initialize_config_dir
-    from division.results import ROOT
     overrides = ["data=cifar10"] + ([f"data.root={data_root}"] if data_root else [])
     if synthetic_test_size:
         overrides = ["data=synthetic", f"data.test_size={synthetic_test_size}", "data.image_size=32"]
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "configs")):
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
         return compose(config_name="train", overrides=overrides).data
 
 

@@ -171,7 +171,7 @@ def _identity(args, model, batch, method):
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=None, help="a suite file from configs/bench/ (flags given after it win)")
+    p.add_argument("--config", default=None, help="a suite file from src/division/configs/bench/ (flags given after it win)")
     p.add_argument("--models", default="resnet50", help="comma-separated; with options, ';'-separated specs "
                                                          "such as resnet20:width_mult=2")
     p.add_argument("--batches", default="4,8")

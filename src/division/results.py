@@ -66,19 +66,26 @@ def git_state(cwd=None):
         return None, None
 
 
-ROOT = Path(__file__).resolve().parents[2]
+def _project_root() -> Path:
+    """The checkout this package runs from (``src/division`` inside it); for an installed wheel, the working
+    directory: results, and the paths stored in them, are then the user's."""
+    checkout = Path(__file__).resolve().parents[2]
+    return checkout if (checkout / "pyproject.toml").exists() and (checkout / "src" / "division").is_dir() \
+        else Path.cwd()
 
 
-def code_version(root: Path = ROOT) -> str:
+ROOT = _project_root()
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def code_version(package: Path = PACKAGE_DIR) -> str:
     """Hash of the code that decides a result: the package's sources and the configs (not docs, not results).
     Unlike the commit, it does not change when only documentation or results are committed, and it does
     change with uncommitted edits."""
     h = hashlib.sha1()
-    package = root / "src" / "division"
-    files = sorted([*(f for ext in ("py", "c", "h", "yaml") for f in package.rglob(f"*.{ext}")),
-                    *(root / "configs").rglob("*.yaml")])
+    files = sorted(f for ext in ("py", "c", "h", "yaml") for f in package.rglob(f"*.{ext}"))
     for f in files:
-        h.update(str(f.relative_to(root)).encode())
+        h.update(str(f.relative_to(package)).encode())
         h.update(f.read_bytes())
     return h.hexdigest()[:12]
 

@@ -5,13 +5,15 @@ import time
 from pathlib import Path
 
 import hydra
+
+import division
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from division import data as data_lib
 from division import api, dist, engine, loggers, models, results
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
+CONFIG_DIR = str(division.CONFIG_DIR)
 
 
 def run_id_for(cfg: DictConfig, cfg_hash: str) -> str:

@@ -27,7 +27,7 @@ METHODS: Dict[str, Type[Method]] = {
 }
 
 
-CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs" / "method"
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "method"
 
 
 def method_names():
@@ -36,27 +36,30 @@ def method_names():
 
 def load_config(spec: str) -> dict:
     """A method's options exactly as ``python train.py method=<name>`` composes them: ``configs/method/<name>.yaml``
-    (with its defaults list), then ``key=value`` overrides: ``'division'`` or ``'division:hfc_bits=4,block_size=4'``."""
-    from omegaconf import OmegaConf
+    (with its defaults list), then ``key=value`` overrides: ``'division'`` or ``'division:hfc_bits=4,block_size=4'``.
+    Method files are flat mappings, so PyYAML and a dict merge do what Hydra does for them: the library needs
+    neither Hydra nor OmegaConf (a test checks both agree on every method)."""
+    import yaml
     name, _, opts = spec.partition(":")
     if name not in method_names():
         raise ValueError(f"unknown method {name!r}; valid choices: {method_names()}")
 
-    def compose(n):
-        node = OmegaConf.load(CONFIG_DIR / f"{n}.yaml")
-        parts = []
-        for entry in node.pop("defaults", None) or []:
-            parts.append(node if entry == "_self_" else compose(str(entry)))
-        if not any(p is node for p in parts):
-            parts.append(node)
-        return OmegaConf.merge(*parts)
+    def compose(n) -> dict:
+        node = yaml.safe_load((CONFIG_DIR / f"{n}.yaml").read_text()) or {}
+        defaults = node.pop("defaults", None) or ["_self_"]
+        merged = {}
+        for entry in defaults if "_self_" in defaults else [*defaults, "_self_"]:
+            merged.update(node if entry == "_self_" else compose(str(entry)))
+        return merged
     cfg = compose(name)
     overrides = [item for item in re.split(r",(?![^\[]*\])", opts) if item]
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ValueError(f"method option(s) {bad} are not key=value (in {spec!r})")
-    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
-    return OmegaConf.to_container(cfg, resolve=True)
+    for item in overrides:
+        key, _, value = item.partition("=")
+        cfg[key.strip()] = yaml.safe_load(value) if value.strip() else None
+    return cfg
 
 
 def build(cfg) -> Method:
