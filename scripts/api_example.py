@@ -32,6 +32,7 @@ def main(argv=None):
     train, _, _ = data_lib.build(cfg.data, 0)
     loader = [batch for _, batch in zip(range(args.steps), train)]
     code = re.search(r"<!-- api-example -->\s*```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    code = "\n".join(line for line in code.splitlines() if not line.startswith("loader = "))  # the real data
     losses = []
     namespace = {"loader": loader, "losses": losses}
     torch.manual_seed(0)

@@ -241,7 +241,7 @@ def _rank(method):
 
 
 def experiments_of(runs):
-    """Experiments with a config in configs/experiment/: ad-hoc and smoke runs never enter a table."""
+    """Experiments with a config in src/division/configs/experiment/: ad-hoc and smoke runs never enter a table."""
     known = {p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml")}
     return sorted({Path(r["_path"]).parts[0] for r in runs} & known)
 
@@ -546,7 +546,7 @@ def main(argv=None):
     p.add_argument("--results", default=str(ROOT / "results"))
     p.add_argument("--experiment", action="append", default=None,
                    help="accuracy table of this experiment only (repeatable; default: every experiment with "
-                        "committed runs and a config in configs/experiment/)")
+                        "committed runs and a config in src/division/configs/experiment/)")
     args = p.parse_args(argv)
     res = Path(args.results)
     out = res / "tables"
@@ -567,6 +567,10 @@ def main(argv=None):
         accuracy_tables(runs, paper, out, args.experiment) + max_batch_table(maxb, out)
     print("\n\n".join(texts) if texts else "no results found")
     print(f"\nwrote {out}")
+    if res.resolve() == (ROOT / "results").resolve():
+        from results_pages import write_pages
+        pages = write_pages(res, ROOT)
+        print("wrote " + ", ".join(results.relative_to_root(p) for p in pages))
 
 
 if __name__ == "__main__":

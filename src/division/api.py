@@ -98,7 +98,7 @@ class Handle:
 
 
 def prepare(model: nn.Module, method: str = "division", measure: bool = True, **options) -> Handle:
-    """Install ``method`` (a name from ``configs/method/``, with that file's defaults) on ``model`` in place.
+    """Install ``method`` (a name from ``division/configs/method/``, with that file's defaults) on ``model`` in place.
     ``options`` override the defaults (``block_size=4``, ``hfc_bits=4``, ``backend="reference"``...); a bad
     name or value raises ValueError naming the valid choices."""
     config = methods.load_config(method)

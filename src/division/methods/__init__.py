@@ -1,4 +1,4 @@
-"""Method registry: ``build(cfg)`` turns a ``configs/method/*.yaml`` node into a Method.
+"""Method registry: ``build(cfg)`` turns a ``division/configs/method/*.yaml`` node into a Method.
 
 Adding a method = one module with a Method subclass + one line here + one YAML file.
 """
@@ -35,7 +35,7 @@ def method_names():
 
 
 def load_config(spec: str) -> dict:
-    """A method's options exactly as ``python train.py method=<name>`` composes them: ``configs/method/<name>.yaml``
+    """A method's options exactly as ``python train.py method=<name>`` composes them: ``division/configs/method/<name>.yaml``
     (with its defaults list), then ``key=value`` overrides: ``'division'`` or ``'division:hfc_bits=4,block_size=4'``.
     Method files are flat mappings, so PyYAML and a dict merge do what Hydra does for them: the library needs
     neither Hydra nor OmegaConf (a test checks both agree on every method)."""
