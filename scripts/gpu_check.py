@@ -71,13 +71,14 @@ def dry_run(plan):
         print(f"ok   {name}: {' '.join(cmd[1:])}")
 
 
-def run_plan(plan, budget: float, reserve: float = 10.0):
-    """Run each step within min(its limit, what is left of the budget); returns [(name, status, seconds)]."""
+def run_plan(plan, budget: float, reserve: float = 10.0, min_step: float = 15.0):
+    """Run each step within min(its limit, what is left of the budget less ``reserve``); a step with less than
+    ``min_step`` seconds left is skipped. Returns [(name, status, seconds)]."""
     start = time.time()
     done = []
     for name, cmd, limit in plan:
         left = budget - (time.time() - start) - reserve
-        if left < 15:
+        if left < min_step:
             done.append((name, "skipped (budget spent)", 0.0))
             print(f"== {name}: skipped, {left:.0f} s left of the budget", flush=True)
             continue

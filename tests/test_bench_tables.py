@@ -172,7 +172,20 @@ def test_gpu_check_dry_run_composes_every_command():
     proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--dry-run"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.count("ok   ") == 4
+    gpu_check = import_script("gpu_check")
+    assert proc.stdout.count("ok   ") == len(gpu_check.steps("dry_run")) == 6
+
+
+def test_gpu_check_keeps_to_its_budget():
+    """Each step runs within min(its limit, what is left); a step that overruns is stopped and the next runs;
+    a step with no time left is skipped, not started."""
+    gpu_check = import_script("gpu_check")
+    py = sys.executable
+    plan = [("slow", [py, "-c", "import time; time.sleep(30)"], 4),
+            ("fails", [py, "-c", "import time; time.sleep(4); raise SystemExit(3)"], 10),
+            ("late", [py, "-c", "pass"], 10)]
+    done = gpu_check.run_plan(plan, budget=10, reserve=0, min_step=3)  # 6 s left, then about 2
+    assert [(n, s.split()[0]) for n, s, _ in done] == [("slow", "TIMEOUT"), ("fails", "FAILED"), ("late", "skipped")]
 
 
 def test_max_batch_below_the_start():

@@ -37,6 +37,7 @@ class StepState:
     dist_info: dist.DistInfo = field(default_factory=dist.DistInfo)
     log_every: int = 0  # steps between per-step log points (0 = none)
     on_log: Optional[Callable[[dict, int], None]] = None  # receives (metrics, global step)
+    lookahead: Optional["Lookahead"] = None  # weight averaging after optimizer steps (optim.lookahead_every)
 
     @property
     def done(self) -> bool:
@@ -239,6 +240,8 @@ def train_one_epoch(model: nn.Module, method, loader, optimizer, scheduler, stat
         seen += n
         steps += 1
         state.global_step += 1
+        if state.lookahead is not None:
+            state.lookahead.step(state.global_step)
         window[0] += loss_value
         window[3] += 1
         if not account:
@@ -288,25 +291,57 @@ def train_one_epoch(model: nn.Module, method, loader, optimizer, scheduler, stat
     return out
 
 
+def _mirror(model, x):
+    return 0.5 * (model(x) + model(x.flip(-1)))
+
+
+def tta_logits(model, x, level: int):
+    """Test-time augmentation (airbench): 0 = the image; 1 = the mean of it and its mirror; 2 = half of that
+    plus half the mean of the same over two translations by one pixel (reflect-padded)."""
+    if level == 0:
+        return model(x)
+    logits = _mirror(model, x)
+    if level == 1:
+        return logits
+    padded = F.pad(x, (1, 1, 1, 1), mode="reflect")
+    h, w = x.shape[-2:]
+    shifted = [_mirror(model, padded[..., :h, :w]), _mirror(model, padded[..., 2:h + 2, 2:w + 2])]
+    return 0.5 * logits + 0.25 * (shifted[0] + shifted[1])
+
+
+TTA_LEVELS = (0, 1, 2)
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, state: StepState) -> dict:
+def evaluate(model: nn.Module, loader, state: StepState, tta: int = 0) -> dict:
+    """Test loss, top-1 and top-5; with ``tta`` > 0 also the top-1 and loss under that level of test-time
+    augmentation (``top1_tta``, ``test_loss_tta``), both from the same pass over the data."""
+    if tta not in TTA_LEVELS:
+        raise ValueError(f"trainer.tta={tta!r} is invalid; valid choices: {list(TTA_LEVELS)}")
     model.eval()
-    loss_sum = top1 = top5 = seen = 0.0
+    loss_sum = top1 = top5 = seen = loss_tta = top1_tta = 0.0
     for x, y in loader:
         x = x.to(state.device, non_blocking=True)
         y = y.to(state.device, non_blocking=True)
         with autocast(state):
-            logits = model(x)
-        logits = logits.float()
+            logits = model(x).float()
+            augmented = tta_logits(model, x, tta).float() if tta else None
         loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
         k = min(5, logits.shape[1])
         pred = logits.topk(k, 1).indices
         top1 += (pred[:, 0] == y).sum().item()
         top5 += (pred == y[:, None]).any(1).sum().item()
         seen += y.shape[0]
-    loss_sum, top1, top5, seen = dist.all_reduce_sum([loss_sum, top1, top5, seen], state.device)
-    return {"test_loss": loss_sum / max(seen, 1), "top1": 100.0 * top1 / max(seen, 1),
-            "top5": 100.0 * top5 / max(seen, 1), "test_images": int(seen)}
+        if augmented is not None:
+            loss_tta += F.cross_entropy(augmented, y, reduction="sum").item()
+            top1_tta += (augmented.argmax(1) == y).sum().item()
+    loss_sum, top1, top5, seen, loss_tta, top1_tta = dist.all_reduce_sum(
+        [loss_sum, top1, top5, seen, loss_tta, top1_tta], state.device)
+    out = {"test_loss": loss_sum / max(seen, 1), "top1": 100.0 * top1 / max(seen, 1),
+           "top5": 100.0 * top5 / max(seen, 1), "test_images": int(seen)}
+    if tta:
+        out.update(top1_tta=100.0 * top1_tta / max(seen, 1), test_loss_tta=loss_tta / max(seen, 1), tta_level=tta)
+    return out
 
 
 def build_optimizer(model: nn.Module, cfg, global_batch: int):
@@ -317,12 +352,19 @@ def build_optimizer(model: nn.Module, cfg, global_batch: int):
     if cfg.name == "sgd" and not 0 <= float(cfg.momentum) < 1:
         raise ValueError(f"optim.momentum={cfg.momentum} is invalid; it must be in [0, 1)")
     lr = float(cfg.lr) * (global_batch / float(cfg.base_batch) if cfg.get("scale_lr", False) else 1.0)
+    for key in ("bias_lr_scale", "bias_weight_decay_scale"):
+        if not float(cfg.get(key, 1.0)) > 0:
+            raise ValueError(f"optim.{key}={cfg.get(key)} is invalid; it must be > 0 (1 = as the weights)")
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
             (no_decay if p.dim() <= 1 else decay).append(p)
+    # biases and norm parameters: their own learning rate and weight-decay factors (airbench trains BN biases
+    # 64x faster, with decay scaled back so that lr x decay stays that of the weights)
+    bias_lr, bias_wd = float(cfg.get("bias_lr_scale", 1.0)), float(cfg.get("bias_weight_decay_scale", 1.0))
     groups = [{"params": decay, "weight_decay": float(cfg.weight_decay)},
-              {"params": no_decay, "weight_decay": 0.0 if cfg.name == "adamw" else float(cfg.weight_decay)}]
+              {"params": no_decay, "lr": lr * bias_lr,
+               "weight_decay": 0.0 if cfg.name == "adamw" else float(cfg.weight_decay) * bias_wd}]
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=float(cfg.momentum), nesterov=bool(cfg.nesterov)), lr
     if cfg.name == "adamw":
@@ -331,16 +373,23 @@ def build_optimizer(model: nn.Module, cfg, global_batch: int):
 
 
 def build_scheduler(optimizer, cfg, steps_per_epoch: int, epochs: int, max_steps: int = 0):
-    """Per-step schedule: linear warm-up, then cosine to zero (or constant)."""
+    """Per-step schedule: linear warm-up, then cosine to zero (or constant); ``triangle`` (airbench): from
+    ``optim.triangle`` = [start, peak fraction of the steps, end] factors, linear up to 1, then down."""
     total = epochs * steps_per_epoch
     if max_steps:
         total = min(total, max_steps) if total else max_steps
     warmup = int(float(cfg.get("warmup_epochs", 0)) * steps_per_epoch)
     schedule = cfg.get("schedule", "cosine")
-    if schedule not in ("cosine", "constant"):
-        raise ValueError(f"optim.schedule={schedule!r} is invalid; valid choices: ['cosine', 'constant']")
+    if schedule not in ("cosine", "constant", "triangle"):
+        raise ValueError(f"optim.schedule={schedule!r} is invalid; valid choices: ['cosine', 'constant', 'triangle']")
+    start, peak, end = (float(v) for v in cfg.get("triangle", (0.2, 0.23, 0.07)))
 
     def factor(step):
+        if schedule == "triangle":
+            up = max(1, int(total * peak))
+            if step < up:
+                return start + (1.0 - start) * step / up
+            return 1.0 + (end - 1.0) * min(1.0, (step - up) / max(1, total - up))
         if warmup and step < warmup:
             return (step + 1) / warmup
         if schedule == "constant":
@@ -348,3 +397,37 @@ def build_scheduler(optimizer, cfg, steps_per_epoch: int, epochs: int, max_steps
         progress = (step - warmup) / max(1, total - warmup)
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class Lookahead:
+    """Lookahead-style weight averaging (airbench): every ``every`` steps the running average of the model's
+    floating-point state (weights and batch-norm statistics) moves toward the model, and the model is set to it;
+    the averaging weight grows over training as ``decay ** every * (step / total) ** 3``. ``finish`` leaves
+    the model at the average."""
+
+    def __init__(self, model: nn.Module, every: int, decay: float, total_steps: int):
+        if every < 1 or not 0 < decay < 1:
+            raise ValueError(f"lookahead every={every}, decay={decay} are invalid; every >= 1, 0 < decay < 1")
+        self.model, self.every, self.decay, self.total = model, every, decay, max(1, total_steps)
+        self.average = {k: v.detach().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
+
+    def step(self, global_step: int):
+        if global_step % self.every == 0:
+            self._update(self.decay ** self.every * min(1.0, global_step / self.total) ** 3)
+
+    def finish(self):
+        self._update(1.0)
+
+    @torch.no_grad()
+    def _update(self, keep: float):
+        state = self.model.state_dict()
+        for key, avg in self.average.items():
+            avg.lerp_(state[key].detach(), 1.0 - keep)
+            state[key].copy_(avg)
+
+    def state_dict(self) -> dict:
+        return {"average": self.average}
+
+    def load_state_dict(self, state: dict):
+        for key, value in state["average"].items():
+            self.average[key].copy_(value)

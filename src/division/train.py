@@ -16,6 +16,20 @@ from division import api, dist, engine, loggers, models, results
 CONFIG_DIR = str(division.CONFIG_DIR)
 
 
+def init_from_data(model, loader, count: int):
+    """Models that initialise from data (the fast CIFAR network's whitening filters) get the first ``count``
+    training images, normalized and unaugmented, before training and before any method is installed."""
+    init = getattr(model, "init_from_data", None)
+    if init is None:
+        return
+    first = getattr(loader, "first_images", None)
+    if first is None:
+        raise ValueError(f"model {type(model).__name__} initialises from training images, which this data loader "
+                         "cannot give; use data=cifar10, cifar100 or synthetic")
+    device = next(model.parameters()).device
+    init(first(count).to(device))
+
+
 def run_id_for(cfg: DictConfig, cfg_hash: str) -> str:
     if cfg.get("run_id"):
         return str(cfg.run_id)
@@ -108,7 +122,8 @@ def run(cfg: DictConfig) -> dict:
             return previous
 
     seed_everything(int(cfg.seed))
-    train_loader, test_loader, data_info = data_lib.build(cfg.data, int(cfg.seed), info.rank, info.world_size)
+    train_loader, test_loader, data_info = data_lib.build(cfg.data, int(cfg.seed), info.rank, info.world_size,
+                                                          device)
     every = int(cfg.trainer.get("checkpoint_every_steps", 0) or 0) if cfg.trainer.get("checkpoint", True) else 0
     if every and not data_lib.skip_batches(train_loader, 0):
         raise ValueError(f"trainer.checkpoint_every_steps={every} needs a training loader that can resume part-way "
@@ -118,6 +133,7 @@ def run(cfg: DictConfig) -> dict:
     if cfg.trainer.get("sync_bn") and info.enabled:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device)
+    init_from_data(model, train_loader, int(cfg.model.get("init_images", 5000)))
     if cfg.trainer.get("channels_last"):
         model = model.to(memory_format=torch.channels_last)
     method = api.prepare_config(model, cfg.method).method
@@ -133,10 +149,17 @@ def run(cfg: DictConfig) -> dict:
     epochs, max_steps = int(cfg.trainer.epochs), int(cfg.trainer.max_steps)
     scheduler = engine.build_scheduler(optimizer, cfg.optim, len(train_loader), epochs, max_steps)
     scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
+    lookahead_every = int(cfg.optim.get("lookahead_every", 0) or 0)
+    lookahead = engine.Lookahead(model, lookahead_every, float(cfg.optim.get("lookahead_decay", 0.95)),
+                                 epochs * len(train_loader) if not max_steps else max_steps) if lookahead_every else None
+    tta = int(cfg.trainer.get("tta", 0) or 0)
+    if tta not in engine.TTA_LEVELS:
+        raise ValueError(f"trainer.tta={tta!r} is invalid; valid choices: {list(engine.TTA_LEVELS)}")
     state = engine.StepState(device, amp, float(cfg.optim.get("grad_clip", 0.0)),
                              float(cfg.optim.get("label_smoothing", 0.0)), max_steps,
                              progress=bool(cfg.trainer.progress), scaler=scaler, dist_info=info,
                              live_peak=bool(cfg.trainer.get("release_freed_memory", True)))
+    state.lookahead = lookahead
     state.guard = not cfg.trainer.get("allow_divergence", False)
     if state.guard:
         state.diverge_loss = float(cfg.trainer.get("diverge_factor", 3.0)) * math.log(int(cfg.model.num_classes))
@@ -164,6 +187,8 @@ def run(cfg: DictConfig) -> dict:
         scheduler.load_state_dict(ckpt["scheduler"])
         if scaler is not None and ckpt.get("scaler"):
             scaler.load_state_dict(ckpt["scaler"])
+        if lookahead is not None:
+            lookahead.load_state_dict(ckpt["lookahead"])
         torch.set_rng_state(ckpt["rng_cpu"])
         if device.type == "cuda" and ckpt.get("rng_cuda") is not None:
             torch.cuda.set_rng_state(ckpt["rng_cuda"], device)
@@ -197,6 +222,7 @@ def run(cfg: DictConfig) -> dict:
         _save_checkpoint(ckpt_path, {
             "model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler else None,
+            "lookahead": lookahead.state_dict() if lookahead is not None else None,
             "rng_cpu": torch.get_rng_state(),
             "rng_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
             "epoch": epoch, "global_step": state.global_step, "epochs": result["epochs"], "partial": partial_sums,
@@ -214,12 +240,15 @@ def run(cfg: DictConfig) -> dict:
             if report is not None and info.is_main and epoch == start_epoch:
                 results.write_json(run_dir / "memory_layers.json", {"summary": report.summary(), "layers": report.layers})
                 logger.table("memory_layers", report.layers, state.global_step)
-            if (epoch + 1) % int(cfg.trainer.get("eval_every", 1)) == 0 or epoch == epochs - 1 or state.done:
-                metrics.update(engine.evaluate(train_model, test_loader, state))
+            last = epoch == epochs - 1 or state.done
+            if lookahead is not None and last:
+                lookahead.finish()  # the model ends at the running average
+            if (epoch + 1) % int(cfg.trainer.get("eval_every", 1)) == 0 or last:
+                metrics.update(engine.evaluate(train_model, test_loader, state, tta if last else 0))
             metrics = {"epoch": epoch + 1, "global_step": state.global_step, **metrics,
                        "lr": optimizer.param_groups[0]["lr"]}
             result["epochs"].append(metrics)
-            for key in ("top1", "throughput_img_s", "peak_mem_bytes", "act_mem_bytes", "act_mem_fp_bytes",
+            for key in ("top1", "top1_tta", "tta_level", "throughput_img_s", "peak_mem_bytes", "act_mem_bytes", "act_mem_fp_bytes",
                         "act_compression", "act_mem_input_bytes", "act_mem_input_fp_bytes",
                         "act_compression_without_input", "amp_weight_cast_bytes", "codec_backends", "peak_mem_how"):
                 if metrics.get(key) is not None:

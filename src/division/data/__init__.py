@@ -57,7 +57,9 @@ def resolve_root(root) -> Path:
     return Path(os.path.expanduser(str(root)))
 
 
-def build(cfg, seed: int = 0, rank: int = 0, world_size: int = 1):
+def build(cfg, seed: int = 0, rank: int = 0, world_size: int = 1, device=None):
+    """(train loader, test loader, DataInfo). ``device``: where ``data.on_device=true`` keeps the in-memory
+    datasets (CIFAR) and augments them."""
     kind = cfg.get("kind", cfg.name)
     if kind not in DATASETS:
         raise ValueError(f"unknown dataset kind {kind!r}; valid choices: {list(DATASETS)}")
@@ -91,9 +93,11 @@ def build(cfg, seed: int = 0, rank: int = 0, world_size: int = 1):
     size = int(xtr.shape[1] if cfg.get("image_size") is None else cfg.image_size)
     if size < 1:
         raise ValueError(f"data.image_size={size} is invalid; it must be >= 1 (the images are {xtr.shape[1]}x{xtr.shape[1]})")
+    where = device if cfg.get("on_device", False) else None
     train = TensorLoader(xtr, ytr, batch, cfg.mean, cfg.std, True, int(cfg.crop_padding), True, seed, rank, world_size,
-                         size=size)
-    test = TensorLoader(xte, yte, eval_batch, cfg.mean, cfg.std, False, rank=rank, world_size=world_size, size=size)
+                         size=size, device=where, pad_mode=str(cfg.get("pad_mode", "constant")))
+    test = TensorLoader(xte, yte, eval_batch, cfg.mean, cfg.std, False, rank=rank, world_size=world_size, size=size,
+                        device=where)
     info = DataInfo(cfg.name, int(cfg.num_classes), size, len(ytr), len(yte), str(cfg.root or root))
     return train, test, info
 

@@ -152,16 +152,24 @@ def stratified_subset(labels: np.ndarray, per_class: int, seed: int) -> np.ndarr
 
 class TensorLoader:
     """Batches from in-memory uint8 images with vectorized augmentation (padded random crop, horizontal flip)
-    and normalization. ``rank``/``world_size`` shard the order like DistributedSampler; ``set_epoch`` reshuffles."""
+    and normalization. ``rank``/``world_size`` shard the order like DistributedSampler; ``set_epoch`` reshuffles.
+    ``device``: the whole dataset is held there as one uint8 tensor and batches are cut and augmented there (no
+    worker processes, no copies per batch); the random draws stay on the CPU generator, so a run's batches are
+    the same on every device. ``pad_mode``: ``constant`` (zeros) or ``reflect`` padding for the crop."""
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, batch_size: int, mean, std, train: bool,
                  pad: int = 4, flip: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 drop_last: Optional[bool] = None, size: Optional[int] = None):
-        self.images = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).contiguous()
-        self.labels = torch.from_numpy(labels)
+                 drop_last: Optional[bool] = None, size: Optional[int] = None, device=None,
+                 pad_mode: str = "constant"):
+        if pad_mode not in ("constant", "reflect"):
+            raise ValueError(f"data.pad_mode={pad_mode!r} is invalid; valid choices: ['constant', 'reflect']")
+        self.device = torch.device(device or "cpu")
+        self.pad_mode = pad_mode
+        self.images = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).contiguous().to(self.device)
+        self.labels = torch.from_numpy(labels).to(self.device)
         self.batch_size, self.train, self.pad, self.flip = batch_size, train, pad if train else 0, flip and train
-        self.mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1) * 255
-        self.std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1) * 255
+        self.mean = torch.tensor(mean, dtype=torch.float32, device=self.device).view(1, -1, 1, 1) * 255
+        self.std = torch.tensor(std, dtype=torch.float32, device=self.device).view(1, -1, 1, 1) * 255
         self.seed, self.rank, self.world_size, self.epoch = seed, rank, world_size, 0
         self._skip = 0
         self.drop_last = train if drop_last is None else drop_last
@@ -171,6 +179,11 @@ class TensorLoader:
 
     def set_epoch(self, epoch: int):
         self.epoch = epoch
+
+    def first_images(self, n: int) -> torch.Tensor:
+        """The first ``n`` images in stored order, normalized, without augmentation (data-dependent
+        initialisation, e.g. a whitening layer's filters)."""
+        return (self.images[:n].float() - self.mean) / self.std
 
     def skip_batches(self, n: int):
         """The next pass starts at batch ``n`` of this epoch, with the same images and augmentation the full
@@ -199,7 +212,7 @@ class TensorLoader:
         g = torch.Generator().manual_seed(self.seed * 7919 + self.epoch + 1)
         start, self._skip = self._skip, 0
         for b in range(len(self)):
-            idx = order[b * self.batch_size:(b + 1) * self.batch_size]
+            idx = order[b * self.batch_size:(b + 1) * self.batch_size].to(self.device)
             if b < start:  # draw what the skipped batch would have drawn, and nothing else
                 for _ in range(2 if self.pad else 0):  # dy, dx: the very calls below
                     torch.randint(0, 2 * self.pad + 1, (len(idx),), generator=g)
@@ -209,16 +222,17 @@ class TensorLoader:
             x = self.images[idx].float()
             if self.pad:
                 n, c, h, w = x.shape
-                x = torch.nn.functional.pad(x, (self.pad,) * 4)
-                dy = torch.randint(0, 2 * self.pad + 1, (n,), generator=g)
-                dx = torch.randint(0, 2 * self.pad + 1, (n,), generator=g)
+                x = torch.nn.functional.pad(x, (self.pad,) * 4, mode=self.pad_mode)
+                dy = torch.randint(0, 2 * self.pad + 1, (n,), generator=g).to(self.device)
+                dx = torch.randint(0, 2 * self.pad + 1, (n,), generator=g).to(self.device)
                 padded_w = x.shape[3]
-                rows = (dy.view(n, 1, 1, 1) + torch.arange(h).view(1, 1, h, 1)).expand(n, c, h, padded_w)
+                at = torch.arange(max(h, w), device=self.device)
+                rows = (dy.view(n, 1, 1, 1) + at[:h].view(1, 1, h, 1)).expand(n, c, h, padded_w)
                 x = x.gather(2, rows)
-                cols = (dx.view(n, 1, 1, 1) + torch.arange(w).view(1, 1, 1, w)).expand(n, c, h, w)
+                cols = (dx.view(n, 1, 1, 1) + at[:w].view(1, 1, 1, w)).expand(n, c, h, w)
                 x = x.gather(3, cols)
             if self.flip:
-                flip = torch.rand(x.shape[0], generator=g) < 0.5
+                flip = (torch.rand(x.shape[0], generator=g) < 0.5).to(self.device)
                 x = torch.where(flip.view(-1, 1, 1, 1), x.flip(3), x)
             if self.size is not None:
                 x = torch.nn.functional.interpolate(x, size=(self.size, self.size), mode="bilinear",

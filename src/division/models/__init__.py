@@ -104,6 +104,15 @@ def _no_pretrained(name, pretrained):
         raise ValueError(f"model {name!r} has no pretrained weights; set model.pretrained=false")
 
 
+@register("fast94")
+def fast94(num_classes=10, pretrained=False, width_mult=1.0):
+    """The fast CIFAR-10 network (airbench94-style, models/fast.py): whitening, three conv groups of widths
+    64/256/256 (times ``width_mult``), frozen BN weights. Call ``init_from_data`` before training."""
+    from division.models.fast import Fast94Net
+    _no_pretrained("fast94", pretrained)
+    return Fast94Net(num_classes, _widths((64, 256, 256), width_mult))
+
+
 @register("resnet18")
 def resnet18(num_classes=10, pretrained=False, width_mult=1.0):
     """The CIFAR ResNet-18 of the paper (3x3 stem, no max-pool, widths 64..512, times ``width_mult``)."""
