@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from division import CONFIG_DIR, results  # noqa: E402
-from division.analysis import mean_interval  # noqa: E402
+from division.analysis import mean_interval, welch_interval  # noqa: E402
 METHOD_ORDER = ["fp", "checkpoint", "sac", "compile_budget:budget=0.5", "compile_budget:budget=0.1", "swap", "blpa",
                 "mesa", "actnn", "division", "division_nolfc", "division_keep_input", "division_plus", "wrpn"]
 PAPER_NAMES = {"fp": "vanilla", "checkpoint": "checkpoint", "blpa": "blpa", "actnn": "actnn", "division": "division"}
@@ -335,8 +335,12 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
     for r in ok:
         experiment = Path(r["_path"]).parts[0] if len(Path(r["_path"]).parts) > 2 else r.get("experiment", "default")
         groups[(experiment, r["data"], r["model"], r["method"])].append(r)
+    tta = any(r.get("top1_tta") is not None for r in ok)
     header = ["experiment", "data", "model", "method", "top-1 % (mean ± std)", "best top-1 %", "n", "gap to fp",
               "activation compression", "img/s (rel. to fp)", "commit(s)", "paper top-1 %"]
+    if tta:
+        header[5:5] = [f"top-1 % with TTA (mean ± std)"]
+    header[header.index("gap to fp") + 1:header.index("gap to fp") + 1] = ["vs fp, Welch 95 % (unpaired)"]
     rows = []
     fp = {key[:3]: recs for key, recs in groups.items() if key[3] == "fp"}
     mixed = []
@@ -362,8 +366,14 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
         if exp.startswith("paper_") and f"{data}/{model}" in prows and pname in cols:
             v = prows[f"{data}/{model}"][cols.index(pname)]
             pval = "" if v is None else f"{v:.2f}"
-        rows.append([exp, data, model, method, _mean_std_cell(top1),
+        key = "top1_tta" if tta else "top1"
+        mine, theirs = [r[key] for r in recs if r.get(key) is not None], [r[key] for r in fp_recs if r.get(key) is not None]
+        welch = welch_interval(mine, theirs)[1] if method != "fp" and mine and theirs else None
+        welch_cell = "" if welch is None else f"[{welch[0]:+.2f}, {welch[1]:+.2f}]"
+        tta_cell = [_mean_std_cell([r["top1_tta"] for r in recs if r.get("top1_tta") is not None])] if tta else []
+        rows.append([exp, data, model, method, _mean_std_cell(top1), *tta_cell,
                      _mean_std_cell([r["best_top1"] for r in recs if r.get("best_top1") is not None]), len(recs), gap,
+                     welch_cell,
                      ("" if compression is None else f"{compression:.2f}x")
                      + ("" if without_input is None else f" ({without_input:.2f}x without input)")
                      + (f"; {fp_held / held:.2f}x against fp" if against_fp else ""),
@@ -372,8 +382,10 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
     warning = f" WARNING: rows mixing commits or uncommitted code: {', '.join(mixed)}." if mixed else ""
     text = _write_table(out / f"accuracy_{experiment}", header, rows,
                         f"Experiment {experiment}: test top-1 accuracy at the last epoch and the best epoch, mean ± "
-                        "std over seeds (n runs; one run: no std); gap = method mean - fp mean over the same "
-                        "seeds (over all of fp's where it shares none); activation compression of the first "
+                        "std over seeds (n runs; one run: no std)" + (", and with test-time augmentation" if tta else "")
+                        + "; gap = method mean - fp mean over the same "
+                        "seeds (over all of fp's where it shares none); Welch 95 % interval of the unpaired "
+                        "difference to fp over all runs" + (" (top-1 with TTA)" if tta else "") + "; activation compression of the first "
                         "training step (and without the model's input, where recorded), mean over the "
                         "same runs, against the method's own network under plain autograd, and also "
                         "against fp's held bytes where that network is another (a widened model); training throughput per run is the median over its epochs, shown as the mean "

@@ -75,3 +75,14 @@ def test_gradient_error_comparison_smoke(tmp_path):
         pytest.approx(sum(a["rel_error"] - b["rel_error"] for a, b in pairs) / 2)
     assert "| method | rel. L2 error | 95 % CI | cosine | first layer (`conv1.weight`) |" in \
         (tmp_path / "gradient_error_smoke.md").read_text()
+
+
+def test_welch_interval_known_values():
+    """a = 1,2,3; b = 2,4,6: difference -2, standard error sqrt(1/3 + 4/3), Welch-Satterthwaite 2.94 degrees of
+    freedom, taken as 2 (t = 4.303)."""
+    import math
+    from division.analysis import welch_interval
+    diff, (lo, hi) = welch_interval([1, 2, 3], [2, 4, 6])
+    half = 4.303 * math.sqrt(5 / 3)
+    assert diff == -2 and lo == pytest.approx(-2 - half, abs=1e-3) and hi == pytest.approx(-2 + half, abs=1e-3)
+    assert welch_interval([1.0], [2.0, 3.0]) == (-1.5, None)

@@ -180,6 +180,24 @@ def mean_interval(values):
     return mean, (mean - half, mean + half)
 
 
+def welch_interval(a, b):
+    """mean(a) - mean(b) and its 95 % Welch interval (unequal variances; t at the Welch-Satterthwaite degrees
+    of freedom, rounded down: conservative); interval None unless both have two or more values."""
+    import math
+    import statistics
+    a, b = list(a), list(b)
+    diff = statistics.mean(a) - statistics.mean(b)
+    if len(a) < 2 or len(b) < 2:
+        return diff, None
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    se = math.sqrt(va + vb)
+    if se == 0:
+        return diff, (diff, diff)
+    dof = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    half = t975(max(1, math.floor(dof))) * se
+    return diff, (diff - half, diff + half)
+
+
 def cifar10_data_config(data_root=None, synthetic_test_size: int = 0):
     """The data config of the analysis scripts, composed as the runner composes it: the real CIFAR-10 (from
     ``data_root`` or $DATA_DIR), or synthetic 32x32 data with ``synthetic_test_size`` test images."""
