@@ -35,7 +35,7 @@ def steps(tag: str):
     bench = [py, "scripts/bench.py", "--models", "resnet50", "--amp", "fp16", "--device", "cuda",
              "--suite", f"gpu_{tag}", "--out", f"results/bench/gpu_{tag}"]
     return [
-        ("tests", [py, "-m", "pytest", "-q", "-x", "-m", "cuda or not slow", "-p", "no:cacheprovider",
+        ("tests", [py, "-m", "pytest", "-q", "-m", "cuda or not slow", "-p", "no:cacheprovider",
                    "tests/test_cuda.py", "tests/test_triton.py", "tests/test_gpu_path.py"], 130),
         ("paper", bench + ["--batches", "256,64,128", "--methods", PAPER_METHODS, "--steps", "8", "--warmup", "3"],
          220),

@@ -57,6 +57,26 @@ def test_cuda_step_makes_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.parametrize("name", ["fp", "division", "division_plus", "actnn"])
+def test_cuda_train_step_makes_no_host_sync(name):
+    """The runner's whole step (forward with the method's codecs, backward, update, timing) never waits for
+    the device: the caller's one read of the loss is the step's only synchronisation."""
+    torch.manual_seed(0)
+    model = create_model("resnet20").cuda()
+    method = build(load_config(name))
+    method.prepare(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x, y = torch.randn(8, 3, 32, 32, device="cuda"), torch.randint(0, 10, (8,), device="cuda")
+    state = engine.StepState(torch.device("cuda"))
+    engine.train_step(model, method, x, y, opt, None, state).loss.item()  # warm-up: kernels compiled
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = engine.train_step(model, method, x, y, opt, None, state)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(out.loss).item() and out.seconds > 0
+
+
 @pytest.mark.parametrize("name", ["fp", "division", "actnn"])
 def test_cuda_accounting_matches_allocator(name):
     """Held bytes against the growth of torch.cuda.memory_allocated over the forward (output and loss
