@@ -47,17 +47,20 @@ def main(argv=None):
     model = create_model(args.model, num_classes=10)
     if args.checkpoint:
         model.load_state_dict(torch.load(args.checkpoint, map_location="cpu", weights_only=False)["model"])
+    elif hasattr(model, "init_from_data"):  # a smoke run: whitening from the random images
+        model.init_from_data(torch.randn(64, 3, 32, 32))
     batches = balanced_batches(cifar10_data_config(args.data_root, 200 if args.synthetic else 0), args.batches,
                                args.per_class)
     per_batch = {m: [] for m in args.methods}
     for i, (x, y) in enumerate(batches):
         reference = weight_grads(model.train(), x, y)
+        other = batches[i - 1]  # a budgeted method plans from another batch than the one measured
         for spec in args.methods:
             config = load_config(spec)
-            errs = gradient_error(model, build(config), x, y, args.draws, reference)
+            errs = gradient_error(model, build(config), x, y, args.draws, reference, calibration=other)
             per_batch[spec].append({"rel_error": statistics.mean(e["rel_error"] for e in errs.values()),
                                     "cosine": statistics.mean(e["cosine"] for e in errs.values()),
-                                    "act_compression": held_compression(model, build(config), x),
+                                    "act_compression": held_compression(model, build(config), x, other),
                                     "layers": {n: e["rel_error"] for n, e in errs.items()}})
             print(f"batch {i} {spec:48s} rel. error {per_batch[spec][-1]['rel_error']:.4f}", flush=True)
     base = args.methods[0]

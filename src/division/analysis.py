@@ -119,16 +119,32 @@ def weight_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, names=None)
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if n in names and p.grad is not None}
 
 
+def calibrate_on(method, model: nn.Module, batch) -> None:
+    """A method with a byte budget plans its precision from one observed step on ``batch`` (x, y): in
+    training the plan comes from an earlier batch, so the analyses give it another batch than the measured one."""
+    if getattr(method, "budget", None) is None:
+        return
+    if batch is None:
+        raise ValueError("a method with method.budget needs a calibration batch")
+    x, y = batch
+
+    def run():
+        out = model(x)
+        return out, F.cross_entropy(out, y)
+    method.calibrate(model, run)
+
+
 def gradient_error(model: nn.Module, method, x: torch.Tensor, y: torch.Tensor, draws: int = 3,
-                   reference: Dict[str, torch.Tensor] = None) -> Dict[str, dict]:
+                   reference: Dict[str, torch.Tensor] = None, calibration=None) -> Dict[str, dict]:
     """Per analysed layer (see weight_grads): cosine and relative L2 error of the weight gradient against full
     precision, averaged over ``draws`` stochastic draws. The model is copied; batch norms use batch statistics
-    as in training."""
+    as in training. ``calibration``: the batch a budgeted method plans from (see :func:`calibrate_on`)."""
     model = copy.deepcopy(model).train()
     if reference is None:
         reference = weight_grads(model, x, y)
     prepared = copy.deepcopy(model)
     method.prepare(prepared)
+    calibrate_on(method, prepared, calibration)
     sums: Dict[str, List[float]] = {n: [0.0, 0.0] for n in reference}
     state = {k: v.clone() for k, v in prepared.state_dict().items()}
     for _ in range(draws):
@@ -141,12 +157,13 @@ def gradient_error(model: nn.Module, method, x: torch.Tensor, y: torch.Tensor, d
     return {n: {"cosine": s[0] / draws, "rel_error": s[1] / draws} for n, s in sums.items()}
 
 
-def held_compression(model: nn.Module, method, x: torch.Tensor) -> float:
+def held_compression(model: nn.Module, method, x: torch.Tensor, calibration=None) -> float:
     """Activation compression of ``method`` on one training forward of ``model`` over the batch ``x`` (held
     bytes against plain autograd's on the same batch): on trained weights and real data, where what some
     savings keep depends on the values (compact_relu: the ReLU outputs' zeros)."""
     prepared = copy.deepcopy(model).train()  # a copy: its batch-norm statistics may move
     method.prepare(prepared)
+    calibrate_on(method, prepared, calibration)
     fp = method.fp_reference(prepared, lambda: prepared(x))
     with method.accounting(prepared) as acc:
         out = prepared(x)

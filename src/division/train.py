@@ -16,6 +16,20 @@ from division import api, dist, engine, loggers, models, results
 CONFIG_DIR = str(division.CONFIG_DIR)
 
 
+def calibrate(method, model, loader, state, info):
+    """``method.budget``: the method plans each layer's precision from one observed step on the first training
+    batch (no update), before training and before the first accounted step."""
+    if getattr(method, "budget", None) is None:
+        return
+    x, y = next(iter(loader))
+    x, y = x.to(state.device), y.to(state.device)
+    plan = method.calibrate(model, engine._forward(model, x, y, state))
+    if info.is_main:
+        print(f"budget: {plan.planned_bytes / 2**20:.2f} MiB planned of {plan.budget_bytes / 2**20:.2f} MiB "
+              f"({plan.fixed_bytes / 2**20:.2f} MiB outside the plan); estimated in {plan.observe_seconds:.1f} s",
+              flush=True)
+
+
 def init_from_data(model, loader, count: int):
     """Models that initialise from data (the fast CIFAR network's whitening filters) get the first ``count``
     training images, normalized and unaugmented, before training and before any method is installed."""
@@ -202,6 +216,7 @@ def run(cfg: DictConfig) -> dict:
             print(f"resume: {ckpt_path} at epoch {start_epoch}, step {state.global_step}"
                   + (f" ({partial['steps']} steps into it)" if partial else ""))
 
+    calibrate(method, model, train_loader, state, info)  # after a resume: from the weights training continues with
     logger = loggers.build(cfg.logger, resolved, run_dir.name, info.is_main)
     state.log_every = int(cfg.logger.get("log_every", 0) or 0)
     state.on_log = lambda metrics, step: logger.log({k: v for k, v in metrics.items() if v is not None}, step=step)
@@ -209,6 +224,7 @@ def run(cfg: DictConfig) -> dict:
 
     def write(status):
         result["status"] = status
+        result["method_info"] = method.describe()  # a budget's plan, as it stands
         result["wall_time_s"] = round(time.perf_counter() - t_start, 3)
         if info.is_main:
             results.write_json(result_path, result)

@@ -49,6 +49,8 @@ class SavePolicy:
         self._pending: List["Saved"] = []
         self.choose = choose
         self._split_aware = "split" in inspect.signature(choose).parameters
+        self._layer_aware = "layer" in inspect.signature(choose).parameters
+        self.on_begin: Optional[Callable[[bool], None]] = None  # called first thing in begin_forward(training)
         self.backend = check_backend(backend)
         self.kinds = frozenset(check_layer_kinds(kinds))
         self.reuse_relu_mask = reuse_relu_mask
@@ -58,8 +60,11 @@ class SavePolicy:
         self.ids = TensorIds()
         self.enabled = True
 
-    def begin_forward(self, inputs=()):
-        """A new training forward; ``inputs``: the model's arguments (noted only with ``keep_input``)."""
+    def begin_forward(self, inputs=(), training: bool = True):
+        """A new forward; ``inputs``: the model's arguments (noted only with ``keep_input``); ``training``:
+        a training forward with the method active (``on_begin`` sees the previous forward's records)."""
+        if self.on_begin is not None:
+            self.on_begin(training)
         self._inputs = tensor_storages(inputs) if self.keep_input else set()
         self._cache = {}
         self._masks = {}
@@ -178,10 +183,9 @@ class SavePolicy:
             split = mask if compact else split
             if self.keep_input and self.is_input(x):
                 packed = InputReference.encode(x)
-            elif split is not None and self._split_aware:
-                packed = self.choose(kind, x, split)
             else:
-                packed = self.choose(kind, x)
+                args = (split,) if split is not None and self._split_aware else ()
+                packed = self.choose(kind, x, *args, **({"layer": layer} if self._layer_aware else {}))
             if compact:
                 packed = compact_relu(packed, mask, self.backend)
             record.codec = packed.kind

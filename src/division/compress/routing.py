@@ -159,7 +159,8 @@ def install(model: nn.Module, policy: SavePolicy, routes=None) -> List[str]:
                         for m in model.modules())
 
     def begin(mod, args, kwargs):
-        policy.begin_forward((*args, *kwargs.values()))
+        policy.begin_forward((*args, *kwargs.values()),
+                             training=mod.training and torch.is_grad_enabled() and policy.enabled)
         if has_attention and "attn" in policy.kinds and mod.training and torch.is_grad_enabled() and policy.enabled:
             mode = AttentionMode(policy)
             mode.__enter__()

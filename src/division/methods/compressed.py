@@ -75,7 +75,7 @@ class Division(PolicyMethod):
                  layers=compress.LAYER_KINDS, stochastic: bool = True, backend: str = "auto",
                  fuse_bn_relu: bool = False, stat_dtype: str = "fp32", small_map_elems: int = 0,
                  small_map_group: int = 256, keep_input: bool = False, single_block_lfc: bool = True,
-                 compact_relu: bool = False):
+                 compact_relu: bool = False, budget=None, budget_refresh: int = 0):
         if not isinstance(single_block_lfc, bool):
             raise ValueError(f"single_block_lfc={single_block_lfc!r} is invalid; valid choices: [True, False]")
         plain = PerChannelCodec(hfc_bits, stochastic, min_numel, backend, stat_dtype)
@@ -90,11 +90,101 @@ class Division(PolicyMethod):
         super().__init__(name, layers, reuse_relu_mask, backend, fuse_bn_relu, keep_input, compact_relu)
         self.notes = ["maps with 1x1 spatial size, fewer than min_numel elements, and 2-D inputs are held in "
                       "bf16; token tensors use the patch grid (prefix tokens in bf16) or pool along tokens"]
+        self._init_budget(budget, budget_refresh, lfc_dtype, min_numel, stochastic, backend, stat_dtype,
+                          single_block_lfc)
+
+    # --- method.budget: per-layer precision under a byte budget (division/budget.py) -------------------------
+    def _init_budget(self, budget, refresh, lfc_dtype, min_numel, stochastic, backend, stat_dtype, single_block_lfc):
+        from division import budget as budget_lib
+        self.budget = None if budget in (None, "", "null") else budget_lib.parse_budget(budget)
+        if isinstance(refresh, bool) or not isinstance(refresh, int) or refresh < 0:
+            raise ValueError(f"budget_refresh={refresh!r} is invalid; it must be an integer >= 0 (steps; 0: plan once)")
+        self.budget_text, self.budget_refresh = budget, refresh
+        self.plan, self._observer, self._fp_bytes, self._outside_bytes, self._forwards = None, None, None, 0, 0
+        self._candidates = lambda h, w: budget_lib.candidate_codecs(
+            lambda bits, block: DivisionCodec(block, bits, lfc_dtype, min_numel, stochastic, backend, stat_dtype),
+            lambda bits: PerChannelCodec(bits, stochastic, min_numel, backend, stat_dtype), single_block_lfc, h, w)
+        if self.budget is not None:
+            self.policy.on_begin = self._on_forward
+            self.notes.append(f"method.budget={budget}: each 4-D activation's HFC bits and block size (or a bf16 "
+                              "copy) chosen per layer to fit the budget (method_info.budget_plan)")
+
+    def _on_forward(self, training: bool):
+        """Before each training forward: plan from the step observed last (its backward is done), and observe
+        this one every ``budget_refresh`` steps."""
+        if not training:
+            return
+        if self._observer is not None and self._observer.forwards >= 1:
+            self._finish_plan(self.policy.records)
+        elif self._observer is not None:
+            self._observer.forwards += 1
+        self._forwards += 1
+        if self.budget_refresh and self.plan is not None and self._forwards % self.budget_refresh == 0:
+            from division.budget import BudgetObserver
+            self._observer = BudgetObserver(self._model)
+            self._observer.forwards = 1
+
+    def _finish_plan(self, records):
+        from division.budget import make_plan
+        observer, self._observer = self._observer, None
+        observer.close()
+        self.plan = make_plan(observer, records, self.budget, self._fp_bytes, self._outside_bytes)
+
+    def calibrate(self, model: nn.Module, run_forward):
+        """With ``method.budget``: observe one training step of ``run_forward`` (forward and backward, no
+        update; batch-norm statistics, random state and gradients left as they were) and plan each layer's
+        precision for the budget. A budget below the cheapest plan is an error naming the least feasible one."""
+        if self.budget is None:
+            return None
+        from division.budget import BudgetObserver
+        from division.methods.base import frozen_batchnorm_stats
+        self._fp_bytes = self.fp_reference(model, run_forward).act_bytes
+        devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+        grads = {p: p.grad for p in model.parameters()}
+        self._observer = BudgetObserver(model)
+        was_training = model.training
+        model.train()
+        try:
+            with torch.random.fork_rng(devices=devices), frozen_batchnorm_stats(model):
+                for p in model.parameters():
+                    p.grad = None
+                with self.accounting(model) as acc:
+                    _, loss = run_forward()
+                loss.backward()
+            records_total = sum({k: n for r in self.policy.records for k, n in r.held}.values())
+            self._outside_bytes = max(0, acc.report.held_bytes - records_total)
+            self._finish_plan(self.policy.records)
+        finally:
+            if self._observer is not None:
+                self._observer.close()
+                self._observer = None
+            for p, g in grads.items():
+                p.grad = g
+            model.train(was_training)
+        return self.plan
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        self._model = model
+        return super().prepare(model)
+
+    def describe(self) -> dict:
+        out = super().describe()
+        if self.budget is not None:
+            out["budget"] = self.budget_text
+            out["budget_plan"] = None if self.plan is None else self.plan.describe()
+        return out
 
     def _map_codec(self, height: int, width: int):
         return self.one_block_codec if height <= self.block_size and width <= self.block_size else self.codec
 
-    def choose(self, kind, x, split=None):
+    def choose(self, kind, x, split=None, layer=None):
+        if self.budget is not None and x.dim() == 4 and layer is not None:
+            from division.budget import site_key
+            if self._observer is not None:
+                self._observer.observe(layer, kind, x, self._candidates(x.shape[2], x.shape[3]), split)
+            option = None if self.plan is None else self.plan.option(site_key(layer, kind))
+            if option is not None:
+                return option.codec.encode(x, split)
         if x.dim() == 4:
             if 1 < x.shape[2] * x.shape[3] <= self.small_map_elems and x.numel() >= self.codec.min_numel:
                 return self.small_codec.encode(x, split)
