@@ -407,6 +407,26 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
     return [text] + paired
 
 
+def budget_table(records, out: Path):
+    """method.budget: per model, batch and budget, the bytes planned and held against the budget."""
+    rows = []
+    for rec in sorted(records, key=lambda r: (r["model"], r["batch_size"], r["method"])):
+        for row in rec["rows"]:
+            rows.append([rec["model"], rec["batch_size"], rec["method"], row["budget"],
+                         f"{row['budget_bytes'] / MB:.2f}", f"{row['held_bytes'] / MB:.2f}",
+                         f"{100 * row['held_of_budget']:.2f} %", f"{row['act_compression']:.2f}x",
+                         f"{row['calibrate_seconds']:.1f}", ", ".join(f"{k} x{v}" for k, v in sorted(row["choices"].items())),
+                         (rec.get("git_sha") or "unknown")[:8]])
+    if not rows:
+        return []
+    return [_write_table(out / "budget", ["model", "batch", "method", "budget", "budget MiB", "held MiB",
+                                          "held / budget", "compression", "calibration s", "choices (layers)",
+                                          "commit"], rows, _caption(
+        "method.budget: one training step's held activation bytes after the method planned each layer's precision "
+        "from one observed step on another batch (python scripts/budget_fit.py); compression against plain "
+        "autograd on the same batch; calibration time includes that observed step.", records, per_row=True))]
+
+
 def max_batch_table(records, out: Path):
     """(d) the largest batch per method under a memory budget."""
     if not records:
@@ -576,7 +596,8 @@ def main(argv=None):
     maxb = [r for r in _load(res / "max_batch") if "max_batch" in r and ".probe" not in r["_path"]]
     texts = memory_table(bench, paper, out) + ablation_table(bench, out) + throughput_table(bench, paper, out) + \
         paired_throughput_table(paired, out) + \
-        accuracy_tables(runs, paper, out, args.experiment) + max_batch_table(maxb, out)
+        accuracy_tables(runs, paper, out, args.experiment) + max_batch_table(maxb, out) + \
+        budget_table([r for r in _load(res / "budget") if "rows" in r], out)
     print("\n\n".join(texts) if texts else "no results found")
     print(f"\nwrote {out}")
     if res.resolve() == (ROOT / "results").resolve():
