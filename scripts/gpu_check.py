@@ -7,7 +7,9 @@ call is planned for), every result labelled with the device's name:
   3. paired: DIVISION's and DIVISION+'s throughput against fp's, interleaved steps in one process, batch 256;
   4. codec: encode/decode speed against copy_ of the same fp16 tensor (results/codec/codec_gpu_<device>.json);
   5. max batch: fp and division under one memory cap, fp16 (results/max_batch/gpu_<device>/);
-  6. profile: where one DIVISION step's time goes at batch 256 (results/profile/).
+  6. profile: where one DIVISION step's time goes at batch 256 (results/profile/);
+  7. seeds (only with --only seeds, a call of its own): the fast CIFAR-10 recipe, fp and division alternating,
+     seeds 0-19 (experiment=cifar10_fast94_gpu; the data travels in .whl/data, see scripts/device/prepare.sh).
 
 Each step has its own time limit, cut to what is left of the budget; a step that fails or runs out of time
 leaves what it finished (each benchmark configuration is its own file) and the next step runs.
@@ -48,7 +50,12 @@ def steps(tag: str):
                        "--out", f"results/max_batch/gpu_{tag}"], 120),
         ("profile", [py, "scripts/profile_step.py", "--model", "resnet50", "--method", "division", "--batch", "256",
                      "--amp", "fp16", "--device", "cuda"], 40),
+        ("seeds", [py, "train.py", "-m", "experiment=cifar10_fast94_gpu", f"seed={','.join(map(str, range(20)))}",
+                   "method=fp,division", "logger=none", "trainer.progress=false"], 560),
     ]
+
+
+DEFAULT_STEPS = ("tests", "paper", "paired", "codec", "max batch", "profile")  # seeds: a call of their own
 
 
 def dry_run(plan):
@@ -62,6 +69,12 @@ def dry_run(plan):
             bench.parse(cmd[2:])
         elif script == "scripts/max_batch.py":
             maxbatch.parse(cmd[2:])
+        elif script == "train.py":
+            from hydra import compose, initialize_config_dir
+            from division import CONFIG_DIR
+            overrides = [a for a in cmd[3:] if "," not in a]
+            with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
+                compose("train", overrides=overrides + ["method=fp", "seed=0"])
         elif script == "-m":
             rc = subprocess.run(cmd[:3] + ["--collect-only"] + cmd[3:], cwd=ROOT, capture_output=True).returncode
             if rc != 0:
@@ -124,18 +137,17 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--budget", type=float, default=530.0, help="seconds for all steps together")
-    p.add_argument("--only", default="", help="comma-separated step names (default: all)")
+    p.add_argument("--only", default="", help="comma-separated step names (default: all but seeds)")
     p.add_argument("--summary", default=None, help="also write the summary to this file")
     args = p.parse_args(argv)
     import torch
     from division.results import device_tag
     plan = steps("dry_run" if args.dry_run else device_tag(torch.device("cuda")))
-    if args.only:
-        names = {n for n, _, _ in plan}
-        wanted = set(args.only.split(","))
-        if wanted - names:
-            raise SystemExit(f"--only: unknown steps {sorted(wanted - names)}; valid choices: {sorted(names)}")
-        plan = [s for s in plan if s[0] in wanted]
+    names = {n for n, _, _ in plan}
+    wanted = set(args.only.split(",")) if args.only else set(DEFAULT_STEPS)
+    if wanted - names:
+        raise SystemExit(f"--only: unknown steps {sorted(wanted - names)}; valid choices: {sorted(names)}")
+    plan = [s for s in plan if s[0] in wanted]
     if args.dry_run:
         dry_run(plan)
         return

@@ -173,7 +173,10 @@ def test_gpu_check_dry_run_composes_every_command():
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     gpu_check = import_script("gpu_check")
-    assert proc.stdout.count("ok   ") == len(gpu_check.steps("dry_run")) == 6
+    assert proc.stdout.count("ok   ") == len(gpu_check.DEFAULT_STEPS) == 6
+    seeds = subprocess.run([sys.executable, "scripts/gpu_check.py", "--dry-run", "--only", "seeds"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+    assert seeds.returncode == 0 and "ok   seeds: train.py -m experiment=cifar10_fast94_gpu" in seeds.stdout, seeds
 
 
 def test_gpu_check_keeps_to_its_budget():

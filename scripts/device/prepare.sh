@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run HERE, before a device call: fetch, as wheels for the GPU image's Python 3.12, what that image lacks
 # (hydra-core, omegaconf, antlr4-python3-runtime; versions from constraints.txt) into .whl/ (git-ignored),
-# and record the commit the working tree is at (the device gets no .git). Then call the device tool with
-# carry [".whl"] and command "bash scripts/device/run.sh" (docs/reproducing.md).
+# and record the commit the working tree is at (the device gets no .git); with DATA_DIR set, a copy of the
+# CIFAR-10 archive into .whl/data/ for the recipe's GPU seeds (never committed: .whl is ignored). Then call
+# the device tool with carry [".whl"] and command "bash scripts/device/run.sh" (docs/reproducing.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
@@ -21,5 +22,8 @@ rm -rf "$DEST" && mkdir -p "$DEST"
     echo "DIVISION_GIT_DIRTY=false"
   fi
 } > "$DEST/provenance.env"
+if [ -n "${DATA_DIR:-}" ] && [ -f "$DATA_DIR/cifar10_jpeg.tar.gz" ]; then
+  mkdir -p "$DEST/data" && cp "$DATA_DIR/cifar10_jpeg.tar.gz" "$DEST/data/"
+fi
 ls -l "$DEST"
 du -sh "$DEST"

@@ -13,6 +13,7 @@ PY="${PYTHON:-python3}"
   || { echo "installing the carried wheels failed" | tee "$OUT/summary.txt"; exit 3; }
 set -a; . .whl/provenance.env; set +a
 export PYTHONPATH="$SITE:$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 WANDB_MODE=disabled
+[ -d .whl/data ] && export DATA_DIR="$PWD/.whl/data"  # the carried CIFAR-10 archive (prepare.sh)
 marker=$(mktemp); sleep 1
 "$PY" scripts/gpu_check.py --summary "$OUT/summary.txt" "$@" 2>&1 | tee "$OUT/gpu_check.log"
 rc=${PIPESTATUS[0]}
