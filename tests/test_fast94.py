@@ -58,10 +58,20 @@ def test_bias_learning_rate_and_decay_scales():
     cfg = compose(["experiment=cifar10_fast94"]).optim
     model = create_model("fast94")
     opt, lr = engine.build_optimizer(model, cfg, global_batch=1024)
-    weights, biases = opt.param_groups
-    assert lr == pytest.approx(1.5) and weights["lr"] == pytest.approx(1.5) and biases["lr"] == pytest.approx(96.0)
-    assert weights["lr"] * weights["weight_decay"] == pytest.approx(biases["lr"] * biases["weight_decay"])
+    weights, other, norms = opt.param_groups
+    assert lr == pytest.approx(1.5) and weights["lr"] == pytest.approx(1.5) and norms["lr"] == pytest.approx(96.0)
+    assert weights["lr"] * weights["weight_decay"] == pytest.approx(norms["lr"] * norms["weight_decay"])
+    assert other["params"] == [model.whiten.bias] and other["lr"] == pytest.approx(1.5)  # as airbench: not x64
+    bn_biases = {id(m.bias) for m in model.modules() if isinstance(m, nn.BatchNorm2d)}
+    assert {id(p) for p in norms["params"]} == bn_biases
     assert opt.defaults["nesterov"] and opt.defaults["momentum"] == 0.85
+
+
+def test_whitening_bias_trains_for_three_epochs():
+    model = create_model("fast94")
+    for epoch, trains in ((0, True), (2, True), (3, False), (9, False)):
+        model.start_epoch(epoch)
+        assert model.whiten.bias.requires_grad == trains
 
 
 def test_lookahead_moves_the_model_to_its_average():

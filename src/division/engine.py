@@ -194,6 +194,9 @@ def train_one_epoch(model: nn.Module, method, loader, optimizer, scheduler, stat
     gets the epoch's running sums (``PARTIAL_KEYS``, summed over ranks); ``resume`` (such a dict) continues
     the epoch after its steps, the loader skipping the batches already trained on."""
     model.train()
+    start_epoch = getattr(core_model(model), "start_epoch", None)
+    if start_epoch is not None:  # models with a per-epoch schedule of their own (fast94's whitening bias)
+        start_epoch(epoch)
     if hasattr(loader, "set_epoch"):
         loader.set_epoch(epoch)
     elif hasattr(getattr(loader, "sampler", None), "set_epoch"):
@@ -344,6 +347,9 @@ def evaluate(model: nn.Module, loader, state: StepState, tta: int = 0) -> dict:
     return out
 
 
+NORM_LAYERS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
+
+
 def build_optimizer(model: nn.Module, cfg, global_batch: int):
     if not float(cfg.lr) > 0:
         raise ValueError(f"optim.lr={cfg.lr} is invalid; it must be > 0")
@@ -355,16 +361,18 @@ def build_optimizer(model: nn.Module, cfg, global_batch: int):
     for key in ("bias_lr_scale", "bias_weight_decay_scale"):
         if not float(cfg.get(key, 1.0)) > 0:
             raise ValueError(f"optim.{key}={cfg.get(key)} is invalid; it must be > 0 (1 = as the weights)")
-    decay, no_decay = [], []
+    norm = {id(p) for m in model.modules() if isinstance(m, NORM_LAYERS) for p in m.parameters(recurse=False)}
+    decay, no_decay, norms = [], [], []
     for p in model.parameters():
         if p.requires_grad:
-            (no_decay if p.dim() <= 1 else decay).append(p)
-    # biases and norm parameters: their own learning rate and weight-decay factors (airbench trains BN biases
-    # 64x faster, with decay scaled back so that lr x decay stays that of the weights)
-    bias_lr, bias_wd = float(cfg.get("bias_lr_scale", 1.0)), float(cfg.get("bias_weight_decay_scale", 1.0))
+            (norms if id(p) in norm else no_decay if p.dim() <= 1 else decay).append(p)
+    # normalization layers' parameters: their own learning rate and weight-decay factors (airbench trains BN
+    # biases 64x faster, with decay scaled back so that lr x decay stays that of the weights)
+    norm_lr, norm_wd = float(cfg.get("bias_lr_scale", 1.0)), float(cfg.get("bias_weight_decay_scale", 1.0))
+    flat_decay = 0.0 if cfg.name == "adamw" else float(cfg.weight_decay)
     groups = [{"params": decay, "weight_decay": float(cfg.weight_decay)},
-              {"params": no_decay, "lr": lr * bias_lr,
-               "weight_decay": 0.0 if cfg.name == "adamw" else float(cfg.weight_decay) * bias_wd}]
+              {"params": no_decay, "weight_decay": flat_decay},
+              {"params": norms, "lr": lr * norm_lr, "weight_decay": flat_decay * norm_wd}]
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=float(cfg.momentum), nesterov=bool(cfg.nesterov)), lr
     if cfg.name == "adamw":

@@ -51,8 +51,10 @@ class ConvGroup(nn.Module):
 class Fast94Net(nn.Module):
     """Input 3x32x32 -> whiten (24x31x31) -> groups of width ``widths`` (15, 7, 3) -> max-pool -> linear."""
 
-    def __init__(self, num_classes: int = 10, widths=(64, 256, 256), scale: float = 1 / 9):
+    def __init__(self, num_classes: int = 10, widths=(64, 256, 256), scale: float = 1 / 9,
+                 whiten_bias_epochs: int = 3):
         super().__init__()
+        self.whiten_bias_epochs = whiten_bias_epochs
         self.whiten = nn.Conv2d(3, 24, kernel_size=2, padding=0, bias=True)
         self.whiten.weight.requires_grad_(False)
         self.act = nn.GELU()
@@ -61,6 +63,12 @@ class Fast94Net(nn.Module):
         self.pool = nn.MaxPool2d(3)
         self.head = nn.Linear(widths[2], num_classes, bias=False)
         self.scale = scale
+
+    def start_epoch(self, epoch: int):
+        """The whitening bias trains for the first ``whiten_bias_epochs`` epochs only (as airbench94)."""
+        self.whiten.bias.requires_grad_(epoch < self.whiten_bias_epochs)
+        if epoch >= self.whiten_bias_epochs:
+            self.whiten.bias.grad = None
 
     def forward(self, x):
         x = self.layers(self.act(self.whiten(x)))
