@@ -156,8 +156,8 @@ def test_tables_from_fixtures(tmp_path):
     # fp: last 61.00 ± 1.41, best 62.00 ± 1.41 (n 2); division from one commit, 120 img/s = 0.60 of fp's seed-0
     # run, 200 img/s (speeds: per run the median over epochs, not the last epoch's figure; ratios paired by seed);
     # one run has no std, and its gap is to fp's run of the same seed (60.00), not to fp's mean over seeds 0-1
-    assert "| fp | 61.00 ± 1.41 | 62.00 ± 1.41 | 2 | +0.00 | 1.00x | 150.0 (1.00) | abcdef12, abcdef99 |" in acc
-    assert ("| division | 59.00 | 60.00 | 1 | -1.00 | 9.50x (9.60x without input) | 120.0 (0.60) "
+    assert "| fp | 61.00 ± 1.41 | 62.00 ± 1.41 | 2 | +0.00 |  | 1.00x | 150.0 (1.00) | abcdef12, abcdef99 |" in acc
+    assert ("| division | 59.00 | 60.00 | 1 | -1.00 |  | 9.50x (9.60x without input) | 120.0 (0.60) "
             "| 99999999 |") in acc
     assert "11.00" not in acc and not (tables / "accuracy_check.md").exists()  # smoke runs stay out
     assert "WARNING: rows mixing commits or uncommitted code: fp." in acc
@@ -262,8 +262,8 @@ def test_accuracy_speed_ratios_pair_seed_processor_and_threads(tmp_path):
                 act_mem_bytes=250.0, act_mem_fp_bytes=600.0)
     fp_held = [dict(r, act_mem_bytes=200.0 if r["method"] == "fp" else 20.0, act_mem_fp_bytes=200.0) for r in ok]
     text = make_tables.accuracy_table(fp_held + [wide], {}, tmp_path, "exp")[0]  # widened: own row, beside fp's
-    assert "| wrpn (2x wide) | 80.00 | 80.00 | 1 | +0.00 | 10.00x; 0.80x against fp | 50.0 (0.25) |" in text
-    assert "| division | 80.00 ± 0.00 | 80.00 ± 0.00 | 3 | +0.00 | 10.00x |" in text  # fp's network: one ratio
+    assert "| wrpn (2x wide) | 80.00 | 80.00 | 1 | +0.00 |  | 10.00x; 0.80x against fp | 50.0 (0.25) |" in text
+    assert "| division | 80.00 ± 0.00 | 80.00 ± 0.00 | 3 | +0.00 | [+0.00, +0.00] | 10.00x |" in text  # fp's network: one ratio
     assert "wrpn (2x wide) - fp" in (tmp_path / "accuracy_exp_paired.md").read_text()
     ok[-1] = run("division", 2, 400.0, 2, cpu="AMD EPYC")  # another machine: no pair for seed 2
     text = make_tables.accuracy_table(ok, {}, tmp_path, "exp")[0]
