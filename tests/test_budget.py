@@ -114,3 +114,11 @@ def test_runner_plans_before_training_and_records_the_plan(tmp_path):
     plan = out["method_info"]["budget_plan"]
     assert out["status"] == "ok" and plan["layers"] and out["act_mem_bytes"] <= plan["budget_bytes"]
     assert out["act_compression"] == pytest.approx(16, rel=0.05)
+
+
+def test_benchmark_and_max_batch_take_a_budget(tmp_path):
+    """scripts/bench.py (and so max_batch's probes) plan a budgeted method before measuring it."""
+    from division import bench
+    rec = bench.measure("resnet20", 16, "division_plus:budget=12x", 32, steps=1, warmup=1, device_name="cpu",
+                        amp="none", num_classes=10)
+    assert rec["status"] == "ok" and rec["act_compression"] == pytest.approx(12, rel=0.04)

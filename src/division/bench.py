@@ -63,6 +63,17 @@ def _step_state(device: torch.device, amp: str) -> engine.StepState:
     return engine.StepState(device, amp, scaler=torch.amp.GradScaler("cuda") if amp == "fp16" else None)
 
 
+def calibrate(model, method, batch: int, image_size: int, num_classes: int, device, state):
+    """A method with ``method.budget`` plans its precision from one observed step on a batch of its own (as the
+    runner does on the first training batch) before anything is measured; other methods: nothing."""
+    if getattr(method, "budget", None) is None:
+        return
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(batch, 3, image_size, image_size, generator=g).to(device)
+    y = torch.randint(0, num_classes, (batch,), generator=g).to(device)
+    method.calibrate(model, engine._forward(model, x, y, state))
+
+
 def measure(model_name: str, batch: int, method_spec: str, image_size: int, steps: int, warmup: int,
             device_name: str, amp: str, num_classes: int = 1000, fp_reference: bool = True,
             release_memory: bool = True) -> dict:
@@ -77,6 +88,7 @@ def measure(model_name: str, batch: int, method_spec: str, image_size: int, step
     x = torch.randn(batch, 3, image_size, image_size, device=device)
     y = torch.randint(0, num_classes, (batch,), device=device)
     state = _step_state(device, amp)
+    calibrate(model, method, batch, image_size, num_classes, device, state)
     live = release_freed_memory() if device.type == "cpu" and release_memory else False
     fp = engine.fp_reference(model, method, x, y, state) if fp_reference else None
     meter = PeakMeter(device)
@@ -123,6 +135,8 @@ def measure_paired(model_name: str, batch: int, method_specs, image_size: int, s
     state = _step_state(device, amp)
     runs = [(spec, *_prepared(model_name, methods.load_config(spec), image_size, num_classes, device))
             for spec in method_specs]
+    for _, model, method, _ in runs:
+        calibrate(model, method, batch, image_size, num_classes, device, state)
     times = {spec: [] for spec in method_specs}
     for k in range(warmup + steps):
         for spec, model, method, opt in (runs if k % 2 == 0 else runs[::-1]):

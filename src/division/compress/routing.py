@@ -30,9 +30,21 @@ def _routed(route):
     return make
 
 
+def numeric_padding(m: nn.Conv2d):
+    """The convolution's padding as numbers: 'valid' is 0; 'same' is (dilation * (kernel - 1)) / 2 per side
+    where that is whole (odd effective kernels, the common case); None where 'same' pads unevenly."""
+    if not isinstance(m.padding, str):
+        return tuple(m.padding)
+    if m.padding == "valid":
+        return (0, 0)
+    total = [d * (k - 1) for d, k in zip(m.dilation, m.kernel_size)]
+    return None if any(t % 2 for t in total) else tuple(t // 2 for t in total)
+
+
 def _conv(m, x, policy, name, plain):
     if x.dim() == 4:
-        return _Conv2dFn.apply(x, m.weight, m.bias, m.stride, m.padding, m.dilation, m.groups, policy, name)
+        return _Conv2dFn.apply(x, m.weight, m.bias, m.stride, numeric_padding(m), m.dilation, m.groups, policy,
+                               name)
 
 
 def _linear(m, x, policy, name, plain):
@@ -127,7 +139,7 @@ def _same_math(m: nn.Module, cls) -> bool:
 def _covered_kind(m: nn.Module):
     for cls, kind, make in _COVERED:
         if isinstance(m, cls) and _same_math(m, cls):
-            if kind == "conv" and (m.padding_mode != "zeros" or isinstance(m.padding, str)):
+            if kind == "conv" and (m.padding_mode != "zeros" or numeric_padding(m) is None):
                 return None
             return kind, make
     return None
