@@ -18,24 +18,12 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from division import CONFIG_DIR, results  # noqa: E402
 from division.analysis import mean_interval, welch_interval  # noqa: E402
+from results_pages import load as _load  # noqa: E402  (scripts/ is on the path)
 METHOD_ORDER = ["fp", "checkpoint", "sac", "compile_budget:budget=0.5", "compile_budget:budget=0.1", "swap", "blpa",
                 "mesa", "actnn", "division", "division_nolfc", "division_keep_input", "division_plus", "wrpn"]
 PAPER_NAMES = {"fp": "vanilla", "checkpoint": "checkpoint", "blpa": "blpa", "actnn": "actnn", "division": "division"}
 GB = 1024 ** 3
 MB = 1024 ** 2
-
-
-def _load(folder: Path):
-    out = []
-    for path in sorted(folder.rglob("*.json")) if folder.exists() else []:
-        try:
-            rec = json.loads(path.read_text())
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict) and "status" in rec:
-            rec["_path"] = str(path.relative_to(folder))
-            out.append(rec)
-    return out
 
 
 def _write_table(stem: Path, header, rows, caption: str):

@@ -22,7 +22,7 @@ The estimate costs one observed step: encodes of every candidate per site, timed
 import math
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
@@ -105,7 +105,6 @@ def site_key(layer: str, kind: str) -> str:
 def candidate_codecs(make_division, make_plain, single_block_lfc: bool, h: int, w: int):
     """(name, codec) for every setting a 4-D site may take; maps one block covers use the plain quantizer
     where ``single_block_lfc`` is off (their LFC is the map mean, which the minimum absorbs)."""
-    from division.codecs import Bf16Copy
     out = []
     for bits in BITS:
         for block in BLOCKS:
@@ -169,7 +168,9 @@ def allocate(sites: Dict[str, Site], available: int) -> Dict[str, int]:
     lo, hi = 0.0, 1.0
     while total(pick(hi)) > available and hi < 1e30:
         hi *= 16
-    choice = pick(hi) if total(pick(hi)) <= available else cheapest
+    choice = pick(hi)
+    if total(choice) > available:
+        choice = cheapest
     if total(pick(lo)) <= available:
         return pick(lo)
     for _ in range(100):  # smallest lambda whose choice fits
