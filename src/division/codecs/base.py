@@ -17,6 +17,13 @@ def check_stat_dtype(stat_dtype) -> str:
     return stat_dtype
 
 
+def ieee_div(t: torch.Tensor, divisor) -> torch.Tensor:
+    """``t / divisor`` correctly rounded on every device. PyTorch's CUDA division by a Python scalar multiplies
+    by its reciprocal (one unit off for 1/3); a 0-dim tensor on t's own device takes the IEEE division the
+    CPU, the C kernel and Triton's ``div_rn`` compute, so all backends agree bit for bit."""
+    return t / t.new_full((), divisor)
+
+
 def bf16_outward(mn: torch.Tensor, mx: torch.Tensor, levels: int):
     """bf16 minimum rounded down and scale rounded up (float32 tensors holding bf16 values), so that the
     stored range still covers [mn, mx] and stochastic rounding with them stays unbiased; the decode uses
@@ -27,7 +34,7 @@ def bf16_outward(mn: torch.Tensor, mx: torch.Tensor, levels: int):
         return (kept + torch.where(away & (kept != u), 65536, 0).to(torch.int32)).view(torch.float32)
 
     low = truncate(mn, mn < 0)  # truncation is toward zero: a negative minimum takes one more unit
-    scale = (mx - low) / levels
+    scale = ieee_div(mx - low, levels)
     return low, truncate(scale, torch.ones_like(scale, dtype=torch.bool))
 
 

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from division.codecs.base import (BACKENDS, STAT_DTYPES, VALID_BITS, Packed, _float_kernel, bf16_outward,
+from division.codecs.base import (BACKENDS, STAT_DTYPES, VALID_BITS, Packed, _float_kernel, bf16_outward, ieee_div,
                                   check_backend, check_bits, check_stat_dtype, kernel_library, rounding_generator,
                                   rounding_seed, storage_key, unique_nbytes, use_triton)
 from division.codecs.exact import Bf16Copy, BitMask, FullCopy
@@ -146,7 +146,7 @@ def quantize_rows_reference(x2d, bits, stochastic=True, minimum=None, maximum=No
     if stat_bf16 and minimum is None:
         mn, scale = bf16_outward(mn, mx, levels)
     else:
-        scale = (mx - mn) / levels
+        scale = ieee_div(mx - mn, levels)
     inv_scale = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     v = (xf - mn.unsqueeze(1)).mul_(inv_scale.unsqueeze(1))
     if stochastic:
@@ -175,7 +175,7 @@ def _quantize_split_reference(xf, split, bits, stochastic, generator, stat_bf16,
         hi = torch.where(chosen, xf, -inf).amax(dim=1)
         empty = ~(lo <= hi)
         lo, hi = lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
-        lo, sc = bf16_outward(lo, hi, levels) if stat_bf16 else (lo, (hi - lo) / levels)
+        lo, sc = bf16_outward(lo, hi, levels) if stat_bf16 else (lo, ieee_div(hi - lo, levels))
         mins.append(lo)
         scales.append(sc)
     mn, scale = torch.stack(mins, 1), torch.stack(scales, 1)
@@ -205,7 +205,7 @@ def _quantize_rows_compiled(lib, x2d, bits, stochastic, generator, minimum=None,
         mn, mx = minimum.float().reshape(1).cpu(), maximum.float().reshape(1).cpu()
         if not bool(torch.isfinite(mn).all() and torch.isfinite(mx).all()):
             return None
-        fixed = (mn, (mx - mn) / levels)
+        fixed = (mn, ieee_div(mx - mn, levels))
     encoded = encode_maps_compiled(x2d, rows, 1, row_len, None, bits, stochastic, generator, lib=lib,
                                    fixed_range=fixed, stat_bf16=stat_bf16 and fixed is None, split=split)
     return None if encoded is None else encoded[1]

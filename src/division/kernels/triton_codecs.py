@@ -293,7 +293,7 @@ def _geometry(row_len, map_hw, block_hw):
 def _row_statistics(xc, lfc, split, rows, row_len, bits, tile, geometry, stat_bf16):
     """Pass 1 for rows longer than one tile: per-row (minimum, scale) laid out [row, side] and the NaN/Inf
     flag per row, reduced on the device with the reference's arithmetic (no host synchronisation)."""
-    from division.codecs.base import bf16_outward
+    from division.codecs.base import bf16_outward, ieee_div
     tiles = triton.cdiv(row_len, tile)
     sides = 2 if split is not None else 1
     pmin = torch.empty(rows * tiles * sides, dtype=torch.float32, device=xc.device)
@@ -301,13 +301,13 @@ def _row_statistics(xc, lfc, split, rows, row_len, bits, tile, geometry, stat_bf
     pbad = torch.empty(rows * tiles, dtype=torch.int8, device=xc.device)
     _tile_stats[(rows, tiles)](xc, lfc if lfc is not None else xc, split if split is not None else pbad,
                                pmin, pmax, pbad, row_len, *geometry, tiles, PER=8 // bits, TILE=tile,
-                               HAS_LFC=lfc is not None, SPLIT=split is not None)
+                               HAS_LFC=lfc is not None, SPLIT=split is not None, enable_fp_fusion=False)
     mn = pmin.view(rows, tiles, sides).amin(1).reshape(-1)
     mx = pmax.view(rows, tiles, sides).amax(1).reshape(-1)
     empty = mn > mx
     mn, mx = mn.masked_fill(empty, 0.0), mx.masked_fill(empty, 0.0)
     levels = (1 << bits) - 1
-    mn, scale = bf16_outward(mn, mx, levels) if stat_bf16 else (mn, (mx - mn) / levels)
+    mn, scale = bf16_outward(mn, mx, levels) if stat_bf16 else (mn, ieee_div(mx - mn, levels))
     return mn.contiguous(), scale.contiguous(), pbad.view(rows, tiles).amax(1)
 
 
@@ -318,7 +318,7 @@ def encode_rows(x: torch.Tensor, rows: int, row_len: int, bits: int, stochastic:
     ``split`` (packed mask bits over the flattened x): two ranges per row, laid out [row, side];
     ``stat_bf16``: statistics rounded outward to bf16 (returned as bf16).
     Returns (packed, minimum, scale, bad) on x's device (minimum and scale of one element when shared)."""
-    from division.codecs.base import rounding_seed
+    from division.codecs.base import ieee_div, rounding_seed
     from division.codecs.packing import pack_bits, packed_nbytes
     _check_row_len(row_len)
     xc = x.contiguous()
@@ -334,7 +334,7 @@ def encode_rows(x: torch.Tensor, rows: int, row_len: int, bits: int, stochastic:
     if fixed_range is not None:
         stats = 2
         minimum = fixed_range[0].float().reshape(1).contiguous()
-        scale = ((fixed_range[1].float() - fixed_range[0].float()) / ((1 << bits) - 1)).reshape(1).contiguous()
+        scale = ieee_div(fixed_range[1].float() - fixed_range[0].float(), (1 << bits) - 1).reshape(1).contiguous()
         bad = torch.empty(rows * tiles, dtype=torch.int8, device=dev)
     elif tiles > 1:
         stats = 1
@@ -348,7 +348,8 @@ def encode_rows(x: torch.Tensor, rows: int, row_len: int, bits: int, stochastic:
     _encode_tiles[(rows, tiles)](xc, lfc if lfc is not None else xc, packed, codes, minimum, scale, bad,
                                  split if split is not None else packed, seed, row_len, *geometry, tiles, BITS=bits,
                                  PER=per, TILE=tile, HAS_LFC=lfc is not None, STOCHASTIC=bool(stochastic),
-                                 ALIGNED=aligned, STATS=stats, SPLIT=split is not None, STAT_BF16=stat_bf16)
+                                 ALIGNED=aligned, STATS=stats, SPLIT=split is not None, STAT_BF16=stat_bf16,
+                                 enable_fp_fusion=False)
     if stats == 2 and tiles > 1:
         bad = bad.view(rows, tiles).amax(1)
     if not aligned:
@@ -372,7 +373,7 @@ def decode_rows(packed, minimum, scale, bad, rows: int, row_len: int, bits: int,
         split if split is not None else packed, row_len, *_geometry(row_len, map_hw, block_hw),
         BITS=bits, PER=8 // bits, TILE=tile, HAS_LFC=lfc is not None,
         SHARED=minimum.numel() == 1 and rows > 1 and split is None, SPLIT=split is not None,
-        ZERO_UNSET=bool(zero_unset) and split is not None)
+        ZERO_UNSET=bool(zero_unset) and split is not None, enable_fp_fusion=False)
     return out
 
 
@@ -398,5 +399,6 @@ def quant_relu_mask(x: torch.Tensor, levels: int):
     xc = x.contiguous()
     y = torch.empty_like(xc)
     out = torch.empty(packed_nbytes(x.numel(), 1), dtype=torch.uint8, device=x.device)
-    _quant_relu_mask[(triton.cdiv(x.numel(), MASK_BLOCK),)](xc, y, out, x.numel(), float(levels), BLOCK=MASK_BLOCK)
+    _quant_relu_mask[(triton.cdiv(x.numel(), MASK_BLOCK),)](xc, y, out, x.numel(), float(levels), BLOCK=MASK_BLOCK,
+                                                      enable_fp_fusion=False)
     return y, out

@@ -1,5 +1,6 @@
 """Baselines that trade time for memory without changing values: activation checkpointing and swapping."""
 import contextlib
+import inspect
 import types
 
 import torch
@@ -7,6 +8,13 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from division.memory import TensorIds, storage_key
+
+# torch >= 2.12 asks whether checkpoint's own saves go through outer saved-tensor hooks; torch 2.11 (the GPU
+# image's) has no such argument and forwards unknown keywords to the checkpointed function, so pass it only
+# where the signature names it.
+_IGNORE_OUTER_HOOKS = types.MappingProxyType(
+    {"respect_saved_tensors_hooks": False}
+    if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {})
 from division.memory import parameter_storages
 from division.methods.base import Method, frozen_batchnorm_stats
 
@@ -122,7 +130,7 @@ class SelectiveCheckpoint(Checkpoint):
 
     def _checkpoint(self, plain, module, x):
         return checkpoint(plain, module, x, use_reentrant=False, context_fn=lambda: self._context(module),
-                          respect_saved_tensors_hooks=False)
+                          **_IGNORE_OUTER_HOOKS)
 
     def policy_records(self):
         from division.memory import SaveRecord

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from division import compress
 from division.codecs import FullCopy
-from division.codecs.base import use_triton
+from division.codecs.base import ieee_div, use_triton
 from division.codecs.groupwise import ReshapedQuantized, parallel_rows
 from division.codecs.quant import BitMask, check_bits, quantize_per_row
 from division.compress.linear import _Conv2dFn, _LinearFn
@@ -40,7 +40,7 @@ def full_precision_layers(convs: list, linears: list) -> list:
 
 def quantize_activation(x: torch.Tensor, bits: int) -> torch.Tensor:
     levels = (1 << bits) - 1
-    return torch.round(x.clamp(0, 1) * levels) / levels
+    return ieee_div(torch.round(x.clamp(0, 1) * levels), levels)
 
 
 def quantized_relu(x: torch.Tensor, bits: int, backend: str = "auto"):
