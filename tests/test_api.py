@@ -104,6 +104,30 @@ def test_sac_and_compile_budget_keep_fp_gradients_and_hold_less(spec):
     method.remove(model)
 
 
+@pytest.mark.parametrize("policy_sees_output", [True, False])
+def test_sac_records_each_kept_convolution_output(policy_sees_output, monkeypatch):
+    """SAC keeps conv outputs outside autograd's saved tensors, so the method records them: from the policy's
+    view of the output (torch >= 2.12), or from the cache as entries are added (torch 2.11, whose policy runs
+    before the op; run this file under torch 2.11 to test that route). Both record exactly the bytes of the
+    outputs of the convolutions inside the checkpointed blocks."""
+    from division.methods import build, load_config, recompute
+    if policy_sees_output != recompute._POLICY_SEES_OUTPUT:
+        pytest.skip(f"this torch takes the other route (policy sees the output: {recompute._POLICY_SEES_OUTPUT})")
+    torch.manual_seed(0)
+    model = create_model("resnet20")
+    method = build(load_config("sac"))
+    method.prepare(model)
+    outputs = []  # of the forward pass only: the hooks are gone before backward recomputes the blocks
+    hooks = [m.register_forward_hook(lambda m, i, out: outputs.append(out.numel() * out.element_size()))
+             for name, m in model.named_modules() if isinstance(m, torch.nn.Conv2d) and name.startswith("layer")]
+    logits = model(torch.randn(2, 3, 32, 32))
+    for h in hooks:
+        h.remove()
+    F.cross_entropy(logits, torch.randint(0, 10, (2,))).backward()
+    assert len(outputs) == 18 and sorted(fp for _, fp in method._kept.values()) == sorted(outputs)
+    method.remove(model)
+
+
 def test_trainer_compile_refuses_methods_it_cannot_compile():
     from division import api
     from division.methods import build

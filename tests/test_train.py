@@ -295,6 +295,21 @@ def test_dirty_flag_ignores_results_but_not_code(tmp_path):
     assert git_state(tmp_path)[1] is True
 
 
+def test_carried_provenance_wins_over_a_stale_git_and_is_checked_against_the_code(tmp_path, monkeypatch):
+    """On the GPU machine the tree arrives with the commit prepare.sh recorded, and possibly a .git of an older
+    commit: the recorded commit is reported, and marked dirty when the code that runs is not that commit's."""
+    import subprocess as sp
+    from division import results
+    sp.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    monkeypatch.setenv("DIVISION_GIT_SHA", "a" * 40)
+    monkeypatch.setenv("DIVISION_GIT_DIRTY", "false")
+    assert results.git_state(tmp_path) == ("a" * 40, False)
+    monkeypatch.setenv("DIVISION_CODE_VERSION", results.code_version())
+    assert results.provenance(torch.device("cpu"))["git_dirty"] is False
+    monkeypatch.setenv("DIVISION_CODE_VERSION", "0" * 12)
+    assert results.provenance(torch.device("cpu"))["git_dirty"] is True
+
+
 @pytest.mark.parametrize("tf32, convolutions, matmuls", [(None, True, False), (True, True, True), (False, False, False)])
 def test_tf32_choice_is_set_on_every_cuda_run(tf32, convolutions, matmuls):
     """A CUDA run sets both flags whatever an earlier job of the same process chose (the flags can be set

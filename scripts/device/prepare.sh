@@ -21,6 +21,7 @@ rm -rf "$DEST" && mkdir -p "$DEST"
   else
     echo "DIVISION_GIT_DIRTY=false"
   fi
+  echo "DIVISION_CODE_VERSION=$("$PY" -c 'import sys; sys.path.insert(0, "src"); from division.results import code_version; print(code_version())')"
 } > "$DEST/provenance.env"
 if [ -n "${DATA_DIR:-}" ] && [ -f "$DATA_DIR/cifar10_jpeg.tar.gz" ]; then
   mkdir -p "$DEST/data" && cp "$DATA_DIR/cifar10_jpeg.tar.gz" "$DEST/data/"

@@ -51,9 +51,10 @@ def config_hash(cfg: Dict) -> str:
 def git_state(cwd=None):
     """(HEAD's commit, whether tracked files outside ``results/`` differ from it). Results are outputs: a suite
     rerun over committed result files changes them as it goes, and that must not mark its later rows dirty."""
-    if os.environ.get("DIVISION_GIT_SHA") and not (Path(cwd or ROOT) / ".git").exists():
-        # a copy of the working tree without its .git (the GPU recipe): the commit it was copied from, as
-        # recorded before it left (scripts/device/prepare.sh)
+    if os.environ.get("DIVISION_GIT_SHA"):
+        # a copy of the working tree sent to another machine (the GPU recipe): the commit it was copied from, as
+        # recorded before it left (scripts/device/prepare.sh). It wins over a .git found there, which can be an
+        # older snapshot of the repository than the tree that travelled; provenance() checks the code hash.
         return os.environ["DIVISION_GIT_SHA"], os.environ.get("DIVISION_GIT_DIRTY", "true") == "true"
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
@@ -94,7 +95,11 @@ def provenance(device: torch.device, code: str = None) -> Dict[str, Any]:
     """What every result file records: commit, dirty flag, code version (computed unless given), library
     versions, device."""
     sha, dirty = git_state(ROOT)
-    return {"git_sha": sha, "git_dirty": dirty, "code_version": code or code_version(), "versions": versions(),
+    code = code or code_version()
+    recorded = os.environ.get("DIVISION_CODE_VERSION")
+    if recorded and recorded != code:  # the code that ran is not the recorded commit's
+        dirty = True
+    return {"git_sha": sha, "git_dirty": dirty, "code_version": code, "versions": versions(),
             "device": device_description(device)}
 
 

@@ -1,22 +1,23 @@
 """Baselines that trade time for memory without changing values: activation checkpointing and swapping."""
+import collections
 import contextlib
 import inspect
 import types
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import SelectiveCheckpointContext, checkpoint
 
-from division.memory import TensorIds, storage_key
+from division.memory import TensorIds, parameter_storages, storage_key
+from division.methods.base import Method, frozen_batchnorm_stats
 
-# torch >= 2.12 asks whether checkpoint's own saves go through outer saved-tensor hooks; torch 2.11 (the GPU
-# image's) has no such argument and forwards unknown keywords to the checkpointed function, so pass it only
-# where the signature names it.
+# torch >= 2.12 shows a selective-checkpoint policy each op's output and asks whether checkpoint's own saves go
+# through outer saved-tensor hooks; torch 2.11 (the GPU image's) does neither, and forwards unknown keywords to
+# the checkpointed function: use each where the signature has it.
+_POLICY_SEES_OUTPUT = "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
 _IGNORE_OUTER_HOOKS = types.MappingProxyType(
     {"respect_saved_tensors_hooks": False}
     if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {})
-from division.memory import parameter_storages
-from division.methods.base import Method, frozen_batchnorm_stats
 
 GRANULARITIES = ("stage", "block")
 
@@ -118,15 +119,22 @@ class SelectiveCheckpoint(Checkpoint):
 
         def policy(ctx, op, *args, **kwargs):
             if op.overloadpacket in method.saved_ops:
-                if not ctx.is_recompute:
-                    for out in (ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else (ctx.op_output,)):
-                        if isinstance(out, torch.Tensor):
-                            method._kept.setdefault(method._ids(out), (out.untyped_storage().nbytes(),
-                                                                        out.numel() * out.element_size()))
+                if not ctx.is_recompute and _POLICY_SEES_OUTPUT:
+                    method._record_kept(ctx.op_output)
                 return CheckpointPolicy.MUST_SAVE
             return CheckpointPolicy.PREFER_RECOMPUTE
         caching, cached = create_selective_checkpoint_contexts(policy)
+        if not _POLICY_SEES_OUTPUT:  # torch 2.11: record what the mode caches as it caches it
+            caching.storage = cached.storage = _RecordingStorage(self._record_kept)
         return caching, _Both(frozen_batchnorm_stats(module), cached)  # statistics frozen outside the mode
+
+    def _record_kept(self, outputs):
+        """Note each kept output tensor's storage once (bytes held, bytes of the tensor)."""
+        for out in torch.utils._pytree.tree_leaves(outputs):
+            out = getattr(out, "val", out)  # torch 2.11's cache entries wrap the tensor
+            if isinstance(out, torch.Tensor):
+                nbytes = out.untyped_storage().nbytes()
+                self._kept.setdefault(self._ids(out), (nbytes, out.numel() * out.element_size()))
 
     def _checkpoint(self, plain, module, x):
         return checkpoint(plain, module, x, use_reentrant=False, context_fn=lambda: self._context(module),
@@ -137,6 +145,25 @@ class SelectiveCheckpoint(Checkpoint):
         kept = [SaveRecord("selectively saved output", "sac", "full", (), fp, [(key[:3], nbytes)], fp_key=key)
                 for key, (nbytes, fp) in self._kept.items()]
         return super().policy_records() + kept
+
+
+class _RecordingStorage(collections.defaultdict):
+    """SAC's cache (op -> list of kept outputs) that reports each entry as it is added: torch 2.11's policy
+    functions are called before the op runs and never see its output (``SelectiveCheckpointContext.op_output``
+    came later)."""
+
+    def __init__(self, record):
+        super().__init__(lambda: _RecordingList(record))
+
+
+class _RecordingList(list):
+    def __init__(self, record):
+        super().__init__()
+        self._record = record
+
+    def append(self, entry):
+        self._record(entry)
+        super().append(entry)
 
 
 class _Both(contextlib.ContextDecorator):
