@@ -133,6 +133,8 @@ def ablation_table(bench, out: Path):
     for suite in sorted({r.get("suite") for r in bench if r.get("method") == "division_plus"}):
         recs = [r for r in bench if r.get("suite") == suite and r["status"] == "ok" and r["method"] in ABLATION_LABELS
                 and r.get("amp", "none") == "none"]
+        if not any(":" in r["method"] for r in recs):
+            continue  # no variant measured: the memory table has these rows
         rows = []
         for model in sorted({r["model"] for r in recs}):
             paper_setting = _paper_setting(recs, model)
@@ -153,6 +155,54 @@ def ablation_table(bench, out: Path):
                                                                           "ratio", "held vs division_plus"],
                                   rows, caption))
     return texts
+
+
+def gpu_table(bench, paper, out: Path):
+    """The paper's setting on a GPU (suites measured under autocast): per batch and method, held bytes and ratio
+    against fp's activations in the same dtype, peak memory, throughput and its ratio to fp at the same batch,
+    beside the paper's figures (its activation memory was measured in fp32, its throughput under fp16)."""
+    texts = []
+    for suite in sorted({r.get("suite") for r in bench if r.get("amp", "none") != "none"}):
+        recs = [r for r in bench if r.get("suite") == suite and r.get("amp", "none") != "none"]
+        header = ["model", "batch", "method", "amp", "held MiB", "ratio", "peak MiB", "img/s", "relative to fp",
+                  "paper act. GB (fp32)", "paper ratio (fp32)", "paper img/s", "paper relative to vanilla"]
+        rows = []
+        for model in sorted({r["model"] for r in recs}):
+            sizes = paper.get("activation_memory_gb", {}).get("batch_sizes", [])
+            for batch in sorted({r["batch_size"] for r in recs if r["model"] == model}):
+                here = {r["method"]: r for r in recs if r["model"] == model and r["batch_size"] == batch}
+                fp = here.get("fp") if here.get("fp", {}).get("status") == "ok" else None
+                for method in _methods(list(here.values())):
+                    rec = here[method]
+                    row = [model, batch, method, rec.get("amp")]
+                    if rec["status"] != "ok":
+                        row += [rec["status"]] + [""] * 6
+                    else:
+                        speed = rec["throughput_img_s"]
+                        row += [f"{rec['act_mem_bytes'] / MB:.1f}", f"{rec['act_compression']:.2f}x",
+                                f"{rec['peak_mem_bytes'] / MB:.0f}", f"{speed:.1f}",
+                                f"{speed / fp['throughput_img_s']:.2f}" if fp else ""]
+                    row += _paper_at(paper, model, method, batch, sizes)
+                    rows.append(row)
+        caption = _caption(f"ResNet-50 at 224x224 on a GPU, suite '{suite}': activation memory held for backward "
+                           "(ratio against fp's activations in the autocast dtype), process peak, throughput (median "
+                           "of the timed steps, one process per configuration; the paired table has interleaved "
+                           "ratios) and the paper's figures at the same batch.", recs)
+        texts.append(_write_table(out / f"gpu_{suite.removeprefix('gpu_')}", header, rows, caption))
+    return texts
+
+
+def _paper_at(paper, model, method, batch, sizes):
+    """The paper's activation GB and ratio (fp32), images/s and ratio to vanilla at ``batch``, where given."""
+    if batch not in sizes:
+        return [""] * 4
+    i, name = sizes.index(batch), PAPER_NAMES.get(method, "")
+    mem = paper.get("activation_memory_gb", {}).get(model, {})
+    speed = paper.get("throughput_images_per_s", {}).get(model, {})
+    act, vanilla = (mem.get(name) or [None] * 4)[i], (mem.get("vanilla") or [None] * 4)[i]
+    ips, ips_vanilla = (speed.get(name) or [None] * 4)[i], (speed.get("vanilla") or [None] * 4)[i]
+    return ["" if act is None else f"{act:.2f}", f"{vanilla / act:.1f}x" if act and vanilla else "",
+            "" if ips is None else f"{ips:.0f}", f"{ips / ips_vanilla:.2f}" if ips and ips_vanilla else ""]
 
 
 PAPER_MEMORY_SIZE = 224  # the paper's activation-memory figures: ImageNet models at 224x224
@@ -582,7 +632,8 @@ def main(argv=None):
             r["round"] = parts[1]
     runs = [r for r in _load(res / "runs") if "epochs" in r]
     maxb = [r for r in _load(res / "max_batch") if "max_batch" in r and ".probe" not in r["_path"]]
-    texts = memory_table(bench, paper, out) + ablation_table(bench, out) + throughput_table(bench, paper, out) + \
+    texts = memory_table(bench, paper, out) + ablation_table(bench, out) + gpu_table(bench, paper, out) + \
+        throughput_table(bench, paper, out) + \
         paired_throughput_table(paired, out) + \
         accuracy_tables(runs, paper, out, args.experiment) + max_batch_table(maxb, out) + \
         budget_table([r for r in _load(res / "budget") if "rows" in r], out)

@@ -17,6 +17,7 @@ SECTIONS = [
     ("Accuracy", r"accuracy_(?!paper)(?!curves).*", "runs"),
     ("The paper's published accuracy", r"accuracy_paper", None),
     ("Activation memory", r"memory_.*", "bench"),
+    ("On a GPU: the paper's setting", r"gpu_.*", "bench"),
     ("division_plus ablations", r"division_plus_ablation_.*", "bench"),
     ("Throughput", r"throughput.*", "bench"),
     ("Largest batch under a memory cap", r"max_batch", "max_batch"),
@@ -117,8 +118,14 @@ def glance(runs, bench) -> str:
         if gpu:
             cells = [f"{gpu['fp']['act_mem_bytes'] / 2**30:.2f} GiB" if "fp" in gpu else ""] + \
                 [f"{gpu[m]['act_compression']:.2f}x less" if m in gpu else "" for m in GLANCE_METHODS[1:]]
-            rows.append((f"activation memory, ResNet-50, batch 256, fp16, {_device(next(iter(gpu.values())))}",
-                         cells))
+            rows.append((f"activation memory, ResNet-50, 224x224, batch 256, fp16, "
+                         f"{_device(next(iter(gpu.values()))).removeprefix('cuda: ')} ({r_suite})", cells))
+        for r in (r for r in bench if r.get("paired") and r["_path"].startswith(r_suite + "/")):
+            by = {m["method"]: m for m in r["methods"]}
+            cells = [f"{by['fp']['throughput_img_s']:.0f} img/s" if "fp" in by else ""] + \
+                [f"{by[m]['relative_to_first']:.2f} of fp" if m in by else "" for m in GLANCE_METHODS[1:]]
+            rows.append((f"training speed, ResNet-50, batch {r.get('batch_size')}, fp16, "
+                         f"{_device(r).removeprefix('cuda: ')}, paired steps (throughput_paired, {r_suite})", cells))
     e50 = [r for r in runs if r.get("experiment") == "cifar10_resnet20_e50" and r.get("status") == "ok"]
     if e50:
         fp_cell, fp_seeds = _cell_accuracy(e50, "fp")
