@@ -241,6 +241,26 @@ def test_triton_tiles_cover_long_rows(monkeypatch):
     assert torch.equal(one.bad_rows, many.bad_rows) and not many.bad_rows.any()
 
 
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_triton_stochastic_draws_depend_on_position_alone_and_are_independent(bits, monkeypatch):
+    """One Philox call serves four positions: the draws must not depend on the tiling (one tile and tiles of
+    16 give the same codes for the same seed), and the four positions of a call must round independently.
+    Every element sits half way between two levels, so each code is an independent coin: a group of four
+    consecutive codes is all equal with probability 1/8 (1 if a call's four outputs were one number)."""
+    levels = (1 << bits) - 1
+    x = torch.full((2, 4096), 0.5, device=DEVICE)
+    x[:, 0], x[:, 1] = 0.0, float(levels)  # range [0, levels]: scale 1, every other element at v = 0.5
+    seed = torch.Generator().manual_seed(7)
+    one = quantize_rows_triton(x, bits, stochastic=True, generator=seed).decode()
+    monkeypatch.setattr(triton_codecs, "DEFAULT_TILE", 16)
+    many = quantize_rows_triton(x, bits, stochastic=True, generator=torch.Generator().manual_seed(7)).decode()
+    assert torch.equal(one, many)
+    codes = one[:, 4:].reshape(-1, 4)
+    assert set(codes.unique().tolist()) == {0.0, 1.0}
+    all_equal = (codes == codes[:, :1]).all(1).float().mean().item()
+    assert 0.06 < all_equal < 0.2, all_equal  # 2046 groups: mean 0.125, standard deviation 0.007
+
+
 def test_triton_tile_is_capped():
     """Rows of any length run: a program never holds more than DEFAULT_TILE elements (Triton caps a block at
     2^20, and long tiles spill registers)."""

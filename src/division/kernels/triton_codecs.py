@@ -13,7 +13,7 @@ Offsets into tensors are 64-bit, so tensors past 2^31 elements address correctly
 
 Arithmetic matches the PyTorch reference where it is deterministic: the same statistics (IEEE division,
 ``tl.div_rn``), round half to even for nearest rounding; stochastic rounding draws its own uniform numbers
-(Philox keyed by seed + row, counter = position in the row).
+(Philox keyed by seed + row, counter = position in the row // 4, four numbers a call).
 
 No host synchronisation: the random seed comes from the CPU generator (``rounding_seed``: distinct per
 distributed rank), and a row holding NaN or Inf is not inspected on the host. The kernel flags it on the
@@ -86,7 +86,8 @@ if triton is not None:
         return mn, scale
 
     @triton.jit
-    def _load_tile(x_ptr, lfc_ptr, row, start, row_len, w, wb, bh, bw, lfc_row,
+    def _load_tile(x_ptr, lfc_ptr, row, start, row_len, W: tl.constexpr, WB: tl.constexpr, BH: tl.constexpr,
+                   BW: tl.constexpr, lfc_row,
                    PER: tl.constexpr, TILE: tl.constexpr, HAS_LFC: tl.constexpr):
         """A tile of one row as a (TILE/PER, PER) fp32 block (the PER codes of a byte in one line), the LFC
         subtracted, non-finite elements zeroed; with its in-row offsets, bounds mask and a NaN/Inf flag."""
@@ -95,7 +96,7 @@ if triton is not None:
         base = row.to(tl.int64) * row_len
         x = tl.load(x_ptr + base + offs, mask=inside, other=0.0).to(tl.float32)
         if HAS_LFC:
-            block = (offs // w // bh) * wb + (offs % w) // bw
+            block = (offs // W // BH) * WB + (offs % W) // BW
             low = tl.load(lfc_ptr + row.to(tl.int64) * lfc_row + block, mask=inside, other=0.0).to(tl.float32)
             x = x - low
         finite = (x == x) & (tl.abs(x) < float("inf"))
@@ -109,6 +110,16 @@ if triton is not None:
         return (tl.load(split_ptr + flat // 8, mask=inside, other=0).to(tl.int32) >> (flat % 8).to(tl.int32)) & 1
 
     @triton.jit
+    def _uniform_tile(seed, start, PER: tl.constexpr, TILE: tl.constexpr):
+        """Uniform numbers in [0, 1) for in-row positions start .. start + TILE - 1, as a (TILE/PER, PER) block:
+        one Philox call gives four, so position p takes one of the four outputs at counter p // 4 (a quarter of
+        the random-number arithmetic of one call per element; the numbers depend on the position alone, so any
+        tiling draws the same)."""
+        r0, r1, r2, r3 = tl.randint4x(seed, start // 4 + tl.arange(0, TILE // 4))
+        u = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (TILE // PER, PER))
+        return tl.random.uint_to_uniform_float(u)
+
+    @triton.jit
     def _round_half_even(v):
         """torch.round's rounding (ties to even) for v >= 0 below 2^23."""
         low = tl.floor(v)
@@ -117,12 +128,13 @@ if triton is not None:
         return tl.where(frac > 0.5, low + 1.0, tl.where(frac < 0.5, low, low + odd))
 
     @triton.jit
-    def _tile_stats(x_ptr, lfc_ptr, split_ptr, pmin_ptr, pmax_ptr, pbad_ptr, row_len, w, wb, bh, bw, lfc_row,
+    def _tile_stats(x_ptr, lfc_ptr, split_ptr, pmin_ptr, pmax_ptr, pbad_ptr, row_len,
+                    W: tl.constexpr, WB: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, lfc_row,
                     tiles, PER: tl.constexpr, TILE: tl.constexpr, HAS_LFC: tl.constexpr, SPLIT: tl.constexpr):
         """Pass 1 of a multi-tile row: this tile's minimum and maximum (per side with a split), and its flag."""
         row = tl.program_id(0)
         tile = tl.program_id(1)
-        x, offs, inside, bad = _load_tile(x_ptr, lfc_ptr, row, tile * TILE, row_len, w, wb, bh, bw, lfc_row,
+        x, offs, inside, bad = _load_tile(x_ptr, lfc_ptr, row, tile * TILE, row_len, W, WB, BH, BW, lfc_row,
                                           PER, TILE, HAS_LFC)
         at = row.to(tl.int64) * tiles + tile
         tl.store(pbad_ptr + at, bad.to(tl.int8))
@@ -141,7 +153,8 @@ if triton is not None:
 
     @triton.jit
     def _encode_tiles(x_ptr, lfc_ptr, packed_ptr, codes_ptr, min_ptr, scale_ptr, bad_ptr, split_ptr, seed,
-                      row_len, w, wb, bh, bw, lfc_row, tiles,
+                      row_len, W: tl.constexpr, WB: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, lfc_row,
+                      tiles,
                       BITS: tl.constexpr, PER: tl.constexpr, TILE: tl.constexpr, HAS_LFC: tl.constexpr,
                       STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr, STATS: tl.constexpr,
                       SPLIT: tl.constexpr, STAT_BF16: tl.constexpr):
@@ -150,7 +163,7 @@ if triton is not None:
         element 0. The flag goes to bad[row, tile] (one writer each), reduced over tiles by the caller."""
         row = tl.program_id(0)
         start = tl.program_id(1) * TILE
-        x, offs, inside, bad = _load_tile(x_ptr, lfc_ptr, row, start, row_len, w, wb, bh, bw, lfc_row,
+        x, offs, inside, bad = _load_tile(x_ptr, lfc_ptr, row, start, row_len, W, WB, BH, BW, lfc_row,
                                           PER, TILE, HAS_LFC)
         levels = (1 << BITS) - 1
         r64 = row.to(tl.int64)
@@ -185,7 +198,7 @@ if triton is not None:
         inv = tl.where(scale > 0, tl.div_rn(tl.full((), 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
         v = (x - mn) * inv
         if STOCHASTIC:
-            q = tl.floor(v + tl.rand(seed + r64, offs))
+            q = tl.floor(v + _uniform_tile(seed + r64, start, PER, TILE))
         else:
             q = _round_half_even(v)
         q = tl.minimum(tl.maximum(q, 0.0), levels).to(tl.int32)
@@ -200,7 +213,7 @@ if triton is not None:
 
     @triton.jit
     def _decode_tiles(packed_ptr, lfc_ptr, min_ptr, scale_ptr, bad_ptr, out_ptr, split_ptr,
-                      row_len, w, wb, bh, bw, lfc_row,
+                      row_len, W: tl.constexpr, WB: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, lfc_row,
                       BITS: tl.constexpr, PER: tl.constexpr, TILE: tl.constexpr, HAS_LFC: tl.constexpr,
                       SHARED: tl.constexpr, SPLIT: tl.constexpr, ZERO_UNSET: tl.constexpr):
         """One tile of a row, written in the output's dtype (no float32 intermediate)."""
@@ -219,7 +232,7 @@ if triton is not None:
         else:
             x = tl.load(min_ptr + r64) + q.to(tl.float32) * tl.load(scale_ptr + r64)
         if HAS_LFC:
-            block = (offs // w // bh) * wb + (offs % w) // bw
+            block = (offs // W // BH) * WB + (offs % W) // BW
             x = x + tl.load(lfc_ptr + r64 * lfc_row + block, mask=inside, other=0.0).to(tl.float32)
         x = tl.where(tl.load(bad_ptr + r64) != 0, float("nan"), x)
         if ZERO_UNSET:  # a ReLU's zeros: exactly 0 where the split mask is unset
@@ -283,8 +296,13 @@ def _check_row_len(row_len: int):
 
 
 def _geometry(row_len, map_hw, block_hw):
-    """(w, blocks per map row, bh, bw, LFC elements per row) for the kernels' LFC indexing."""
-    h, w = map_hw if map_hw else (1, row_len)
+    """(w, blocks per map row, bh, bw, LFC elements per row) for the kernels' LFC indexing. The first four are
+    compile-time constants of the kernels (one compilation per map width and block), so that the per-element
+    block index is computed with multiplies and shifts instead of integer divisions; without an LFC they are
+    unused and fixed at 1 (one compilation for every row length)."""
+    if not map_hw:
+        return 1, 1, 1, 1, 0
+    h, w = map_hw
     bh, bw = block_hw if block_hw else (1, 1)
     wb = -(-w // bw)
     return w, wb, bh, bw, (-(-h // bh)) * wb
