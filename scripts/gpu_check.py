@@ -31,11 +31,13 @@ sys.path.insert(0, str(ROOT / "src"))
 PAPER_METHODS = "fp,checkpoint,sac,actnn,division,division_plus"
 
 
-def steps(tag: str):
-    """(name, command, time limit in seconds) in the order they run: the issue's priorities first."""
+def steps(tag: str, force: bool = False):
+    """(name, command, time limit in seconds) in the order they run: the issue's priorities first. Benchmark
+    configurations whose result file exists are skipped (a rerun fills in what is missing) unless ``force``
+    (a remeasurement after a code change: the files record the new commit)."""
     py = sys.executable
     bench = [py, "scripts/bench.py", "--models", "resnet50", "--amp", "fp16", "--device", "cuda",
-             "--suite", f"gpu_{tag}", "--out", f"results/bench/gpu_{tag}"]
+             "--suite", f"gpu_{tag}", "--out", f"results/bench/gpu_{tag}"] + (["--force"] if force else [])
     return [
         ("tests", [py, "-m", "pytest", "-q", "-m", "cuda or not slow", "-p", "no:cacheprovider",
                    "tests/test_cuda.py", "tests/test_triton.py", "tests/test_gpu_path.py"], 130),
@@ -139,10 +141,11 @@ def main(argv=None):
     p.add_argument("--budget", type=float, default=530.0, help="seconds for all steps together")
     p.add_argument("--only", default="", help="comma-separated step names (default: all but seeds)")
     p.add_argument("--summary", default=None, help="also write the summary to this file")
+    p.add_argument("--force", action="store_true", help="remeasure benchmark configurations that have a file")
     args = p.parse_args(argv)
     import torch
     from division.results import device_tag
-    plan = steps("dry_run" if args.dry_run else device_tag(torch.device("cuda")))
+    plan = steps("dry_run" if args.dry_run else device_tag(torch.device("cuda")), args.force)
     names = {n for n, _, _ in plan}
     wanted = set(args.only.split(",")) if args.only else set(DEFAULT_STEPS)
     if wanted - names:
