@@ -132,5 +132,5 @@ def test_trainer_compile_refuses_methods_it_cannot_compile():
     from division import api
     from division.methods import build
     from division.models import create_model
-    with pytest.raises(ValueError, match="method 'division'"):
-        api.compile_model(create_model("resnet20"), build({"name": "division"}))
+    with pytest.raises(ValueError, match="method 'checkpoint'"):
+        api.compile_model(create_model("resnet20"), build({"name": "checkpoint"}))

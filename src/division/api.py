@@ -128,15 +128,18 @@ __all__ = ["prepare", "prepare_config", "Handle"]
 
 def compile_model(model: nn.Module, method) -> nn.Module:
     """``trainer.compile=true``: ``model.compile()`` in place where the method allows it; otherwise a clear,
-    early error naming the method. Methods whose layers are autograd functions holding Python objects
-    (every compressing method, checkpointing with its context functions, swap's hooks) are not compilable:
-    Dynamo breaks the graph at each of their layers or cannot trace them at all."""
+    early error naming the method. Compressing methods take their compile route (the model's own layers,
+    the compiled graph's saved maps encoded through saved-tensor hooks: compress/saved_hooks.py).
+    Checkpointing (context functions) and swap (hooks of its own) are not compilable."""
     if getattr(method, "compiles_itself", False):
         return model
-    if not getattr(method, "compilable", False):
+    if hasattr(method, "compile_route"):
+        method.compile_route(model)
+    elif not getattr(method, "compilable", False):
         raise ValueError(f"trainer.compile=true does not work with method {method.name!r}: its layers run autograd "
                          "functions that keep Python-side state (Dynamo cannot compile them). Methods that can: "
-                         "fp, compile_budget; or set trainer.compile=false")
+                         "fp, compile_budget and the compressing methods (division, division_plus, actnn, ...); "
+                         "or set trainer.compile=false")
     import torch._dynamo.utils
     torch._dynamo.utils.counters.clear()
     model.compile()

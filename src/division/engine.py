@@ -99,10 +99,13 @@ class StepOutput:
         return self.timer.seconds
 
 
-def _forward(model, x, y, state: StepState):
+def _forward(model, x, y, state: StepState, method=None):
+    """The step's forward and loss; the method's forward context (its saved-tensor hooks on a compiled model)
+    covers the model's call."""
     def run():
         with autocast(state):
-            out = model(x)
+            with method.forward_context() if method is not None else contextlib.nullcontext():
+                out = model(x)
             return out, F.cross_entropy(out, y, label_smoothing=state.label_smoothing)
     return run
 
@@ -115,10 +118,10 @@ def train_step(model: nn.Module, method, x, y, optimizer, scheduler, state: Step
     the loss is the step's only synchronisation (on a GPU each one stalls the launch queue)."""
     timer = StepTimer(state.device)
     optimizer.zero_grad(set_to_none=True)
-    forward = _forward(model, x, y, state)
+    forward = _forward(model, x, y, state, method)
     report = None
     if account:
-        with method.accounting(core_model(model)) as acc:
+        with method.accounting(core_model(model), inputs=(x,)) as acc:  # no hook inside a compiled model
             logits, loss = forward()
     else:
         logits, loss = forward()
@@ -149,7 +152,7 @@ def core_model(model: nn.Module) -> nn.Module:
 def fp_reference(model: nn.Module, method, x, y, state: StepState):
     """The full-precision equivalent of the next step's forward, measured with nothing kept alive (see
     ``Method.fp_reference``); run it outside any timed region."""
-    return method.fp_reference(core_model(model), _forward(core_model(model), x, y, state))
+    return method.fp_reference(core_model(model), _forward(core_model(model), x, y, state), inputs=(x,))
 
 
 def check_divergence(loss: float, state: StepState, epoch: int):

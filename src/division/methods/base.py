@@ -30,6 +30,7 @@ def frozen_batchnorm_stats(module: nn.Module):
 
 class Method:
     name = "base"
+    saved_tensor_route = None  # a compiled model's saved-tensor hooks (compress.saved_hooks), set by compile_route
 
     def __init__(self, name: Optional[str] = None):
         if name is not None:
@@ -93,12 +94,26 @@ class Method:
         the share of its input is reported on its own (``inputs``: the forward's arguments, for a caller
         already inside the model's call)."""
         acc = _Accounting()
-        recorder = acc.recorder = SavedTensorRecorder(self.ids(), exclude=parameter_storages(model))
+        route = self.saved_tensor_route
+        recorder = acc.recorder = SavedTensorRecorder(route.ids if route is not None else self.ids(),
+                                                      exclude=parameter_storages(model))
         with model_inputs(model, inputs) as inputs, recorder.record():
-            yield acc
-        acc.report = build_report(self.policy_records(), recorder, self.notes, self.host_bytes(), inputs)
+            if route is not None:  # its hooks sit inside the recorder's: it hands on what it leaves alone
+                route.passthrough = recorder._pack
+            try:
+                yield acc
+            finally:
+                if route is not None:
+                    route.passthrough = None
+        records = route.records if route is not None else self.policy_records()
+        acc.report = build_report(records, recorder, self.notes, self.host_bytes(), inputs)
 
-    def fp_reference(self, model: nn.Module, run_forward) -> "FpReference":
+    def forward_context(self):
+        """Entered around the model's call in a training step: a compiled model's saved-tensor hooks, if any."""
+        route = self.saved_tensor_route
+        return route.context() if route is not None and self.enabled else contextlib.nullcontext()
+
+    def fp_reference(self, model: nn.Module, run_forward, inputs=None) -> "FpReference":
         """What plain autograd would hold for the same forward, measured without holding it: the method is
         bypassed, every saved tensor is recorded (size, storage) and dropped at once, so each activation is
         freed as soon as the forward no longer needs it. Batch-norm statistics and every random state the
@@ -106,7 +121,7 @@ class Method:
         recorder = SavedTensorRecorder(exclude=parameter_storages(model), keep=False)
         devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
         with torch.random.fork_rng(devices=devices), self.bypassed(), frozen_batchnorm_stats(model), \
-                model_inputs(model) as inputs, recorder.record():
+                model_inputs(model, inputs) as inputs, recorder.record():
             out = run_forward()
         del out
         return FpReference(recorder.total_bytes(), sum(recorder.weight_casts.values()), recorder.bytes_of(inputs))

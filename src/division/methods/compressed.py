@@ -40,6 +40,22 @@ class PolicyMethod(Method, metaclass=ABCMeta):
     def remove(self, model: nn.Module) -> nn.Module:
         compress.remove(model)
         self.covered = []
+        self.saved_tensor_route = None
+        return model
+
+    def compile_route(self, model: nn.Module) -> nn.Module:
+        """Ready ``model`` for torch.compile: its own layers back (no autograd functions for Dynamo to break
+        at), and what the compiled graph saves encoded through saved-tensor hooks with this method's codec
+        choice for a convolution input (compress/saved_hooks.py). Per-layer options (fused BN->ReLU,
+        compact ReLU codes, a byte budget's plan) do not apply on this route."""
+        from division.compress.saved_hooks import SavedTensorCodec
+        from division.memory import parameter_storages
+        self.remove(model)
+        self.saved_tensor_route = SavedTensorCodec(lambda x: self.choose("conv", x),
+                                                   exclude=parameter_storages(model))
+        self.notes = [n for n in self.notes if not n.startswith("compiled:")] + [
+            "compiled: the compiled graph's saved maps are encoded through saved-tensor hooks; they are decoded "
+            "together when its backward starts (PyTorch issue 148222)"]
         return model
 
     def policy_records(self):
