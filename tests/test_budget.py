@@ -122,3 +122,23 @@ def test_benchmark_and_max_batch_take_a_budget(tmp_path):
     rec = bench.measure("resnet20", 16, "division_plus:budget=12x", 32, steps=1, warmup=1, device_name="cpu",
                         amp="none", num_classes=10)
     assert rec["status"] == "ok" and rec["act_compression"] == pytest.approx(12, rel=0.04)
+
+
+def test_sites_without_weights_count_their_error_for_every_weighted_layer_below():
+    """A batch norm's input error flows down the input gradient to the weight gradients of every convolution
+    before it: observed after two convolutions, its estimate is twice the relative activation error; a
+    convolution's input counts for its own weight gradient only."""
+    import torch.nn as nn
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4))
+    observer = budget_lib.BudgetObserver(model)
+    option = [("8b", budget_lib._Bf16())]
+    x = torch.randn(2, 4, 8, 8)
+    observer.observe("0", "conv", torch.randn(2, 3, 8, 8), option)
+    observer.observe("2", "bn", x, option)  # as if the second convolution were not compressed: reach 1
+    observer.observe("1", "conv", x, option)
+    observer.observe("9", "gelu", x, option)
+    sites = observer.sites
+    assert [sites[k].reach for k in ("0:conv", "2:bn", "1:conv", "9:gelu")] == [1, 1, 1, 2]
+    o = sites["9:gelu"].options[0]
+    assert sites["9:gelu"].rel_error(o) == 2 * o.variance / sites["9:gelu"].mean_square
+    observer.close()

@@ -11,7 +11,8 @@ How it works (the DIVISION-family methods, ``methods/compressed.py``):
 2. **Estimate** each candidate's relative weight-gradient error: for a convolution or linear layer
    ``var * |g_out|^2 * fan_in / |dW|^2`` (independent rounding noise in the input adds that much to
    ``|dW - dW_exact|^2``, relative to ``|dW|^2``); for sites without weights (batch norm, GELU inputs) the
-   relative activation error ``var / mean(x^2)``.
+   relative activation error ``var / mean(x^2)``, once for every weighted layer before the site (its error
+   flows down the input gradient to all of their weight gradients).
 3. **Allocate**: a multiple-choice knapsack, solved by a Lagrangian sweep (each site takes the setting of
    least ``error + lambda * bytes``; ``lambda`` bisected to the smallest that fits), then upgrades by least
    error per byte while bytes remain. What the plan does not choose (ReLU masks, pool indices, statistics,
@@ -62,13 +63,19 @@ class Site:
     grad_out: Optional[float] = None  # |g_out|^2 of the layer's output in the observed step
     grad_weight: Optional[float] = None  # |dW|^2 of its weight
     fan_in: int = 1  # elements of the input each weight-gradient entry sums over per output position
+    reach: int = 1  # weight gradients this site's error reaches (see rel_error)
 
     def rel_error(self, option: Option) -> float:
+        """Estimated relative weight-gradient error the option adds. A convolution's or linear layer's input
+        enters its own weight gradient only. A site without weights (a batch norm's or GELU's input) enters
+        the input gradient its backward passes down, so its relative error reaches the weight gradient of
+        every weighted layer before it (``reach``); counting it once made the allocation starve such sites
+        near the budget's edge (measured on fast94 at 21.6x: error 1.53 against 0.58 for division_plus)."""
         if option.variance == 0:
             return 0.0
         if self.grad_out and self.grad_weight:
             return option.variance * self.grad_out * self.fan_in / self.grad_weight
-        return option.variance / max(self.mean_square, 1e-30)
+        return option.variance / max(self.mean_square, 1e-30) * self.reach
 
 
 @dataclass
@@ -222,7 +229,9 @@ class BudgetObserver:
         with torch.no_grad():
             options = measure_options(x.detach(), candidates, split)
             mean_square = float(x.detach().float().pow(2).mean())
-        self.sites[key] = Site(layer, kind, tuple(x.shape), mean_square, options)
+        weighted_before = sum(1 for s in self.sites.values() if s.kind in ("conv", "linear"))
+        self.sites[key] = Site(layer, kind, tuple(x.shape), mean_square, options,
+                               reach=1 if kind in ("conv", "linear") else max(1, weighted_before))
         self._watch(key, layer, kind, x)
         self.seconds += time.perf_counter() - start
 
