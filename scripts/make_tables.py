@@ -199,8 +199,9 @@ def _paper_at(paper, model, method, batch, sizes):
     i, name = sizes.index(batch), PAPER_NAMES.get(method, "")
     mem = paper.get("activation_memory_gb", {}).get(model, {})
     speed = paper.get("throughput_images_per_s", {}).get(model, {})
-    act, vanilla = (mem.get(name) or [None] * 4)[i], (mem.get("vanilla") or [None] * 4)[i]
-    ips, ips_vanilla = (speed.get(name) or [None] * 4)[i], (speed.get("vanilla") or [None] * 4)[i]
+    def at(table, key):
+        return (table.get(key) or [None] * len(sizes))[i]
+    act, vanilla, ips, ips_vanilla = at(mem, name), at(mem, "vanilla"), at(speed, name), at(speed, "vanilla")
     return ["" if act is None else f"{act:.2f}", f"{vanilla / act:.1f}x" if act and vanilla else "",
             "" if ips is None else f"{ips:.0f}", f"{ips / ips_vanilla:.2f}" if ips and ips_vanilla else ""]
 

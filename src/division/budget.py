@@ -220,6 +220,7 @@ class BudgetObserver:
         self.handles = []
         self.seconds = 0.0
         self.forwards = 0  # training forwards begun while observing (the plan comes at the next one)
+        self.weighted_sites = 0  # convolution and linear sites observed so far (forward order)
 
     def observe(self, layer: str, kind: str, x: torch.Tensor, candidates, split=None):
         key = site_key(layer, kind)
@@ -229,9 +230,10 @@ class BudgetObserver:
         with torch.no_grad():
             options = measure_options(x.detach(), candidates, split)
             mean_square = float(x.detach().float().pow(2).mean())
-        weighted_before = sum(1 for s in self.sites.values() if s.kind in ("conv", "linear"))
+        weighted = kind in ("conv", "linear")
         self.sites[key] = Site(layer, kind, tuple(x.shape), mean_square, options,
-                               reach=1 if kind in ("conv", "linear") else max(1, weighted_before))
+                               reach=1 if weighted else max(1, self.weighted_sites))
+        self.weighted_sites += weighted
         self._watch(key, layer, kind, x)
         self.seconds += time.perf_counter() - start
 
