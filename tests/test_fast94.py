@@ -128,6 +128,17 @@ def test_reflect_padded_translation_keeps_image_content():
         TensorLoader(images, labels, 8, [0] * 3, [1] * 3, True, pad_mode="wrap")
 
 
+
+def test_whitening_sample_spans_the_classes_of_a_class_sorted_dataset():
+    """Folder trees load class by class; the whitening sample must not be the first images (one class)."""
+    labels = torch.arange(10).repeat_interleave(100).numpy()  # stored sorted by class, as read_tar_tree does
+    images = torch.from_numpy(labels).to(torch.uint8).view(-1, 1, 1, 1).expand(-1, 4, 4, 3).contiguous().numpy()
+    loader = TensorLoader(images, labels, 50, [0] * 3, [1 / 255] * 3, True, seed=3, device="cpu")
+    sample = loader.sample_images(100)
+    assert sample.shape == (100, 3, 4, 4) and len(sample[:, 0, 0, 0].unique()) == 10
+    assert torch.equal(sample, loader.sample_images(100))  # the same sample for the same seed
+    assert len(loader.sample_images(5000)) == 1000  # capped at the dataset's size
+
 @pytest.mark.parametrize("name", [m for m in method_names() if m not in ("compile_budget", "swap", "wrpn")])
 def test_every_method_trains_the_fast_network(name):
     """Every method runs a step of the fast network: GELU, maps of 31/15/7/3 pixels, the whitening

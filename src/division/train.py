@@ -31,17 +31,17 @@ def calibrate(method, model, loader, state, info):
 
 
 def init_from_data(model, loader, count: int):
-    """Models that initialise from data (the fast CIFAR network's whitening filters) get the first ``count``
-    training images, normalized and unaugmented, before training and before any method is installed."""
+    """Models that initialise from data (the fast CIFAR network's whitening filters) get ``count`` training
+    images drawn at random, normalized and unaugmented, before training and before any method is installed."""
     init = getattr(model, "init_from_data", None)
     if init is None:
         return
-    first = getattr(loader, "first_images", None)
-    if first is None:
+    sample = getattr(loader, "sample_images", None)
+    if sample is None:
         raise ValueError(f"model {type(model).__name__} initialises from training images, which this data loader "
                          "cannot give; use data=cifar10, cifar100 or synthetic")
     device = next(model.parameters()).device
-    init(first(count).to(device))
+    init(sample(count).to(device))
 
 
 def run_id_for(cfg: DictConfig, cfg_hash: str) -> str:

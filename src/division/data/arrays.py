@@ -180,10 +180,14 @@ class TensorLoader:
     def set_epoch(self, epoch: int):
         self.epoch = epoch
 
-    def first_images(self, n: int) -> torch.Tensor:
-        """The first ``n`` images in stored order, normalized, without augmentation (data-dependent
-        initialisation, e.g. a whitening layer's filters)."""
-        return (self.images[:n].float() - self.mean) / self.std
+    def sample_images(self, n: int) -> torch.Tensor:
+        """``n`` training images drawn at random (seeded by the loader's seed), normalized, without augmentation,
+        for data-dependent initialisation (a whitening layer's filters). Not the first ``n`` in stored order:
+        folder trees are stored class by class, and CIFAR-10's first 5,000 are then all airplanes, whose patch
+        covariance whitens the other classes poorly."""
+        n = min(int(n), len(self.labels))
+        idx = torch.randperm(len(self.labels), generator=torch.Generator().manual_seed(self.seed))[:n]
+        return (self.images[idx.to(self.device)].float() - self.mean) / self.std
 
     def skip_batches(self, n: int):
         """The next pass starts at batch ``n`` of this epoch, with the same images and augmentation the full
