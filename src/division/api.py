@@ -13,6 +13,7 @@ The runner (``division.train``) goes through the same call.
 import contextlib
 from typing import Optional
 
+import torch
 import torch.nn as nn
 
 from division import methods
@@ -59,6 +60,8 @@ class Handle:
     def _end(self, module, args, output):
         if self._context is None or self._busy:
             return None
+        if isinstance(output, torch.Tensor):
+            self._accounting.output = output
         self._context.__exit__(None, None, None)
         self._context, self._armed = None, False
         report = self._accounting.report

@@ -123,6 +123,7 @@ def train_step(model: nn.Module, method, x, y, optimizer, scheduler, state: Step
     if account:
         with method.accounting(core_model(model), inputs=(x,)) as acc:  # no hook inside a compiled model
             logits, loss = forward()
+            acc.output = loss
     else:
         logits, loss = forward()
     if state.scaler is not None:

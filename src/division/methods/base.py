@@ -95,17 +95,26 @@ class Method:
         already inside the model's call)."""
         acc = _Accounting()
         route = self.saved_tensor_route
-        recorder = acc.recorder = SavedTensorRecorder(route.ids if route is not None else self.ids(),
-                                                      exclude=parameter_storages(model))
+        in_graph = hasattr(route, "records")  # the codec inside the compiled graphs (compress.graph_hooks)
+        exclude = parameter_storages(model)
+        recorder = acc.recorder = SavedTensorRecorder(route.ids if route is not None and not in_graph else self.ids(),
+                                                      exclude=exclude)
         with model_inputs(model, inputs) as inputs, recorder.record():
             if route is not None:  # its hooks sit inside the recorder's: it hands on what it leaves alone
-                route.passthrough = recorder._pack
+                setattr(route, "eager_saved" if in_graph else "passthrough", recorder._pack)
             try:
                 yield acc
             finally:
                 if route is not None:
-                    route.passthrough = None
-        records = route.records if route is not None else self.policy_records()
+                    setattr(route, "eager_saved" if in_graph else "passthrough", None)
+        if in_graph:
+            if acc.output is None:
+                raise ValueError("accounting a compiled model needs the forward's result: set acc.output = loss "
+                                 "inside the accounting block (engine.train_step does)")
+            records = route.records(acc.output, recorder.ids, exclude, list(model.parameters()) if model else [],
+                                    recorder.weight_casts)
+        else:
+            records = route.records if route is not None else self.policy_records()
         acc.report = build_report(records, recorder, self.notes, self.host_bytes(), inputs)
 
     def forward_context(self):
@@ -139,6 +148,7 @@ class Method:
 class _Accounting:
     report: Optional[MemoryReport] = None
     recorder: Optional[SavedTensorRecorder] = None
+    output: Optional[torch.Tensor] = None  # the forward's result: a compiled graph's saved tensors hang off it
 
 
 @dataclass

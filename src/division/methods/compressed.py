@@ -43,19 +43,32 @@ class PolicyMethod(Method, metaclass=ABCMeta):
         self.saved_tensor_route = None
         return model
 
+    def traced_codec(self):
+        """This method's codec as plain tensor operations the compiled graph can hold
+        (compress.graph_hooks.TracedCodec), or None where it has none."""
+        return None
+
     def compile_route(self, model: nn.Module) -> nn.Module:
         """Ready ``model`` for torch.compile: its own layers back (no autograd functions for Dynamo to break
-        at), and what the compiled graph saves encoded through saved-tensor hooks with this method's codec
-        choice for a convolution input (compress/saved_hooks.py). Per-layer options (fused BN->ReLU,
-        compact ReLU codes, a byte budget's plan) do not apply on this route."""
+        at), and what the compiled graph saves encoded by saved-tensor hooks. Where the method has a traced
+        codec and torch can inline hooks, the codec runs inside the compiled graphs (compress/graph_hooks.py);
+        otherwise the hooks run the method's codec after the compiled forward (compress/saved_hooks.py).
+        Per-layer options (fused BN->ReLU, compact ReLU codes, a byte budget's plan) do not apply here."""
+        from division.compress import graph_hooks
         from division.compress.saved_hooks import SavedTensorCodec
         from division.memory import parameter_storages
         self.remove(model)
-        self.saved_tensor_route = SavedTensorCodec(lambda x: self.choose("conv", x),
-                                                   exclude=parameter_storages(model))
-        self.notes = [n for n in self.notes if not n.startswith("compiled:")] + [
-            "compiled: the compiled graph's saved maps are encoded through saved-tensor hooks; they are decoded "
-            "together when its backward starts (PyTorch issue 148222)"]
+        codec = self.traced_codec()
+        if codec is not None and graph_hooks.inlining_supported():
+            self.saved_tensor_route = graph_hooks.GraphCodecHooks(codec)
+            note = ("compiled: the codec runs inside the compiled graphs (saved-tensor hooks inlined by "
+                    "AOTAutograd): encode at the forward's end, decode at the backward's start")
+        else:
+            self.saved_tensor_route = SavedTensorCodec(lambda x: self.choose("conv", x),
+                                                       exclude=parameter_storages(model))
+            note = ("compiled: the compiled graph's saved maps are encoded through saved-tensor hooks; they are "
+                    "decoded together when its backward starts (PyTorch issue 148222)")
+        self.notes = [n for n in self.notes if not n.startswith("compiled:")] + [note]
         return model
 
     def policy_records(self):
@@ -190,6 +203,13 @@ class Division(PolicyMethod):
             out["budget_plan"] = None if self.plan is None else self.plan.describe()
         return out
 
+    def traced_codec(self):
+        from division.compress.graph_hooks import TracedCodec
+        if not isinstance(self.codec, DivisionCodec):
+            return None  # the per-channel ablation: the runtime hooks
+        c = self.codec
+        return TracedCodec("division", c.hfc_bits, block=c.block_size, lfc_dtype=c.lfc_dtype, stochastic=c.stochastic)
+
     def _map_codec(self, height: int, width: int):
         return self.one_block_codec if height <= self.block_size and width <= self.block_size else self.codec
 
@@ -226,6 +246,10 @@ class ActNN(PolicyMethod):
 
     def choose(self, kind, x, split=None):
         return self.codec.encode(x, split)
+
+    def traced_codec(self):
+        from division.compress.graph_hooks import TracedCodec
+        return TracedCodec("groups", self.codec.bits, group=self.codec.group_size, stochastic=self.codec.stochastic)
 
 
 class Blpa(PolicyMethod):

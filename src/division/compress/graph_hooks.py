@@ -1,0 +1,351 @@
+"""The torch.compile route with the codecs inside the compiled graphs.
+
+Saved-tensor hooks given as ``torch.fx.GraphModule`` s are not run by autograd at run time: AOTAutograd
+traces them into the compiled graphs (PyTorch PR 150032, for issue 148222 "make saved_tensor_hooks work
+better in compile for doing activation compression"). The encode becomes the forward graph's epilogue and
+the decode the backward graph's prologue, so the compiler generates and fuses the codec's kernels (C++ on a
+CPU, Triton on a GPU) with the model's own, and no Python runs per step. For that the codecs here are plain
+tensor operations without data-dependent control flow: DIVISION (block-average LFC plus a b-bit HFC per
+(sample, channel) map) and ActNN-style groups, with stochastic rounding from the compiled graph's random
+numbers, codes packed ``8 // bits`` to a byte.
+
+Which saved tensors are encoded is decided when the graph is traced, from the saved node itself (AOTAutograd
+shows the hook the node and the backward graph; only the graph's own intermediates are offered, never its
+inputs or parameters): floating-point 4-D maps of at least ``min_map_elems`` elements per map. A map that the
+backward compares with zero (a ReLU's ``le(out, 0)`` mask) also keeps one exact bit per element saying
+whether it is > 0, without which a decoded zero that came back positive would let gradient through. Boolean
+4-D masks the graph saves are packed eight to a byte. Everything else is held as the graph holds it.
+
+Held bytes are what the compiled function really saves (its autograd node's saved tensors after the
+forward, de-duplicated by storage); the per-map breakdown comes from the trace.
+"""
+import contextlib
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from division.codecs.division import block_average, lfc_blocks, upsample_blocks
+
+COMPARISONS = {"aten.le.Scalar", "aten.lt.Scalar", "aten.gt.Scalar", "aten.ge.Scalar", "aten.eq.Scalar",
+               "aten.threshold_backward.default"}
+POINTWISE = {"aten.sub.Tensor", "aten.add.Tensor", "aten.mul.Tensor", "aten.div.Tensor", "aten.relu.default",
+             "aten.convert_element_type.default", "aten._to_copy.default"}
+KINDS = ("division", "groups")
+
+
+@dataclass(frozen=True)
+class TracedCodec:
+    """A codec the compiled graph can run: ``division`` (LFC over ``block`` x ``block`` blocks in
+    ``lfc_dtype`` plus ``bits``-bit HFC per map) or ``groups`` (``bits``-bit codes per ``group`` elements)."""
+
+    kind: str = "division"
+    bits: int = 2
+    block: int = 8
+    group: int = 256
+    lfc_dtype: torch.dtype = torch.bfloat16
+    stochastic: bool = True
+    min_map_elems: int = 64
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"traced codec kind={self.kind!r} is invalid; valid choices: {list(KINDS)}")
+        if self.bits not in (1, 2, 4, 8):
+            raise ValueError(f"traced codec bits={self.bits!r} is invalid; valid choices: [1, 2, 4, 8]")
+        for key in ("block", "group", "min_map_elems"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"traced codec {key}={getattr(self, key)!r} is invalid; it must be >= 1")
+
+
+# --- codes and bits as plain tensor operations ------------------------------------------------------------
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """(R, L) uint8 codes below 2**bits -> (R, ceil(L * bits / 8)) bytes, the first code in the low bits."""
+    per = 8 // bits
+    rows, length = codes.shape
+    pad = -length % per
+    if pad:
+        codes = F.pad(codes, (0, pad))
+    codes = codes.view(rows, -1, per)
+    out = codes[:, :, 0]
+    for i in range(1, per):
+        out = out | (codes[:, :, i] << (i * bits))
+    return out
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, length: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: (R, P) bytes -> (R, length) uint8 codes."""
+    per = 8 // bits
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(packed.shape[0], -1)[:, :length] if per > 1 else packed[:, :length]
+
+
+MASK32 = 0xFFFFFFFF
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finalizer on int64 tensors holding 32-bit values: every input bit flips about
+    half of the output bits."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & MASK32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & MASK32
+    return h ^ (h >> 16)
+
+
+def uniform_like(rows: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    """Uniform numbers in [0, 1) (24 bits) for each element of ``rows``, a hash of the element's position and
+    ``seed`` (an int64 scalar tensor). Not ``torch.rand``: random ops that a saved-tensor hook adds to a
+    graph after Inductor's RNG pass cannot be lowered, while this is plain integer arithmetic that fuses
+    into the encode kernel."""
+    position = torch.arange(rows.numel(), dtype=torch.int64, device=rows.device).view(rows.shape)
+    h = _mix32((position + _mix32(seed & MASK32) * 0x9E3779B1) & MASK32)
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def statistics_seed(low: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A seed that changes whenever the map does: the bit patterns of its per-row statistics, summed. Every
+    step's maps differ (data, weights), so every step draws afresh, with no random state to carry."""
+    bits = low.float().view(torch.int32).to(torch.int64) * 31 + scale.float().view(torch.int32).to(torch.int64)
+    return bits.sum() * 0x27D4EB2F
+
+
+def quantize_rows(rows: torch.Tensor, bits: int, stochastic: bool):
+    """Per-row minimum and scale, codes in [0, 2**bits - 1]; stochastic rounding is unbiased:
+    E[floor(t + u)] = t for u uniform in [0, 1) and independent of t (here a hash of the position, seeded
+    by the statistics of all rows: :func:`uniform_like`)."""
+    levels = (1 << bits) - 1
+    low = rows.amin(1, keepdim=True)
+    scale = (rows.amax(1, keepdim=True) - low) / levels
+    t = (rows - low) * torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    t = torch.floor(t + uniform_like(t, statistics_seed(low, scale))) if stochastic else torch.round(t)
+    return pack_codes(t.clamp(0, levels).to(torch.uint8), bits), low, scale
+
+
+def dequantize_rows(packed, low, scale, bits: int, length: int) -> torch.Tensor:
+    return unpack_codes(packed, bits, length).float() * scale + low
+
+
+def pack_bools(mask: torch.Tensor) -> torch.Tensor:
+    return pack_codes(mask.reshape(1, -1).to(torch.uint8), 1)
+
+
+def unpack_bools(packed: torch.Tensor, shape) -> torch.Tensor:
+    numel = 1
+    for s in shape:
+        numel *= s
+    return unpack_codes(packed, 1, numel).view(shape).bool()
+
+
+# --- the two codecs -----------------------------------------------------------------------------------------
+
+def encode(codec: TracedCodec, x: torch.Tensor):
+    """Tensors that keep ``x`` (N, C, H, W) under ``codec``."""
+    n, c, h, w = x.shape
+    xf = x.float()
+    if codec.kind == "division":
+        block_hw = lfc_blocks(h, w, codec.block)
+        lfc = block_average(xf, block_hw).to(codec.lfc_dtype)
+        hfc = xf - upsample_blocks(lfc.float(), block_hw, h, w)
+        return (lfc, *quantize_rows(hfc.reshape(n * c, h * w), codec.bits, codec.stochastic))
+    per_sample = xf.reshape(n, -1)  # groups of contiguous elements within each sample, as ActNN's
+    rows = F.pad(per_sample, (0, -per_sample.shape[1] % codec.group)).view(-1, codec.group)
+    return quantize_rows(rows, codec.bits, codec.stochastic)
+
+
+def decode(codec: TracedCodec, parts, shape) -> torch.Tensor:
+    n, c, h, w = shape
+    if codec.kind == "division":
+        lfc, packed, low, scale = parts
+        x = dequantize_rows(packed, low, scale, codec.bits, h * w).view(n, c, h, w)
+        return x + upsample_blocks(lfc.float(), lfc_blocks(h, w, codec.block), h, w)
+    packed, low, scale = parts
+    return dequantize_rows(packed, low, scale, codec.bits, codec.group).view(n, -1)[:, :c * h * w].reshape(shape)
+
+
+def nbytes_of(parts) -> int:
+    return sum(t.numel() * t.element_size() for t in parts)
+
+
+@dataclass
+class Plan:
+    """What the trace decided for one saved node."""
+    node: str
+    shape: tuple
+    dtype: torch.dtype
+    action: str  # "encode" | "bits" (a boolean mask) | "bf16" | "keep"
+    sign: bool = False
+    fp_bytes: int = 0
+    held_bytes: int = 0
+    users: List[str] = field(default_factory=list)
+    parts: List[tuple] = field(default_factory=list)  # (shape, dtype) of each tensor that keeps it
+
+
+def inlining_supported() -> bool:
+    """Whether this torch inlines GraphModule saved-tensor hooks into compiled graphs (2.8 and later)."""
+    try:
+        from torch._functorch._aot_autograd.utils import saved_tensors_hooks_are_inlineable  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _hook_context():
+    try:
+        from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
+    except ImportError:  # a torch without the context (< 2.10): no node information
+        return None
+    return _get_saved_tensor_hook_context()
+
+
+def _backward_placeholder(ctx):
+    """The backward graph's input for the saved node the hook is tracing (None without that information)."""
+    if not ctx or "_node" not in ctx or "_bw_graph" not in ctx:
+        return None
+    name = ctx["_node"].name
+    return next((p for p in ctx["_bw_graph"].find_nodes(op="placeholder") if p.name == name), None)
+
+
+def _compared_after_pointwise(node, depth: int = 8) -> bool:
+    """Whether the backward compares a value computed from ``node`` by elementwise arithmetic alone (a
+    batch norm and ReLU recomputed from the saved convolution output, to get the ReLU's mask)."""
+    frontier = [u for u in node.users]
+    for _ in range(depth):
+        nxt = []
+        for user in frontier:
+            target = str(user.target)
+            if target in COMPARISONS:
+                return True
+            if target in POINTWISE:
+                nxt.extend(user.users)
+        frontier = nxt
+    return False
+
+
+class GraphCodecHooks:
+    """The pack and unpack GraphModules for one method's codec, and what the traces planned.
+
+    Use one instance for every forward of a compiled model: Dynamo guards on the hooks' identity, and other
+    hooks would recompile it."""
+
+    def __init__(self, codec: TracedCodec):
+        self.codec = codec
+        self.plans: Dict[tuple, Plan] = {}
+        self._current: Optional[Plan] = None
+        self.pack_gm = _graph_module(self._pack)
+        self.unpack_gm = _graph_module(self._unpack)
+        self.eager_saved = None  # called with tensors saved outside the compiled graph (the accounting's recorder)
+
+    def _plan(self, x: torch.Tensor) -> Plan:
+        ctx = _hook_context()
+        placeholder = _backward_placeholder(ctx)
+        users = sorted(str(u.target) for u in placeholder.users) if placeholder is not None else []
+        node = ctx["_node"].name if ctx and "_node" in ctx else "?"
+        plan = Plan(node, tuple(x.shape), x.dtype, "keep", users=users,
+                    fp_bytes=x.numel() * x.element_size())
+        if x.dim() == 4 and x.dtype == torch.bool:
+            plan.action = "bits"
+        elif x.dim() == 4 and x.is_floating_point() and x.shape[2] * x.shape[3] >= self.codec.min_map_elems:
+            plan.action, plan.sign = "encode", any(u in COMPARISONS for u in users)
+            if not plan.sign and placeholder is not None and _compared_after_pointwise(placeholder):
+                plan.action = "bf16"  # a mask recomputed from decoded values would flip near zero
+        if ctx and "_fw_graph" in ctx:
+            self.plans[(id(ctx["_fw_graph"]), node)] = plan
+        return plan
+
+    def _pack(self, x):
+        if _hook_context() is None:  # an eager save (the loss after the compiled model): left alone
+            return self.eager_saved(x) if self.eager_saved is not None else x
+        plan = self._current = self._plan(x)
+        if plan.action == "bits":
+            parts = (pack_bools(x),)
+        elif plan.action == "bf16":
+            parts = (x.to(torch.bfloat16),)
+        elif plan.action == "encode":
+            parts = encode(self.codec, x)
+            if plan.sign:
+                parts = (*parts, pack_bools(x > 0))
+        else:
+            return x
+        plan.held_bytes = nbytes_of(parts)
+        plan.parts = [(tuple(t.shape), t.dtype) for t in parts]
+        return parts
+
+    def _unpack(self, packed):
+        if not isinstance(packed, tuple):
+            return packed
+        plan = self._current  # AOTAutograd traces a node's unpack right after its pack
+        if plan.action == "bits":
+            return unpack_bools(packed[0], plan.shape)
+        if plan.action == "bf16":
+            return packed[0].to(plan.dtype)
+        x = decode(self.codec, packed[:-1] if plan.sign else packed, plan.shape)
+        if plan.sign:
+            positive = unpack_bools(packed[-1], plan.shape)
+            x = torch.where(positive, x.clamp_min(torch.finfo(plan.dtype).tiny), x.clamp_max(0))
+        return x.to(plan.dtype)
+
+    def records(self, output: torch.Tensor, ids, exclude, params, weight_casts: dict):
+        """SaveRecords of what the compiled functions in ``output``'s graph really hold (one per saved tensor,
+        de-duplicated by storage ids), labelled by the trace's plans; parameters and buffers (storages in
+        ``exclude``) are left out and copies of ``params`` (a weight laid out for the compiled kernels) go to ``weight_casts``."""
+        from division.codecs.base import storage_key
+        from division.memory import SaveRecord
+        free = {}
+        for plan in self.plans.values():
+            for part in plan.parts:
+                free.setdefault(part, []).append(plan)
+        params = [p.detach() for p in params]
+        out, counted = [], set()
+        for t in compiled_saved_tensors(output):
+            if storage_key(t) in exclude:
+                continue
+            key, nbytes = ids(t), t.untyped_storage().nbytes()
+            if any(p.shape == t.shape and p.dtype == t.dtype and torch.equal(p, t) for p in params):
+                weight_casts.setdefault(key, nbytes)
+                continue
+            plans = free.get((tuple(t.shape), t.dtype))
+            if plans:
+                plan = plans.pop(0)
+                fp = 0 if id(plan) in counted else plan.fp_bytes
+                counted.add(id(plan))
+                out.append(SaveRecord("(compiled graph)", plan.node, f"compiled {plan.action}" +
+                                      (" + sign bits" if plan.sign else ""), plan.shape, fp, [(key, nbytes)],
+                                      fp_key=("plan", id(plan)), backend="inductor"))
+            else:
+                out.append(SaveRecord("(compiled graph)", "saved", f"full {t.dtype}", tuple(t.shape), nbytes,
+                                      [(key, nbytes)], fp_key=key))
+        return out
+
+    @contextlib.contextmanager
+    def context(self):
+        """Around a compiled model's forward (graphs compile lazily, inside it). The hooks are offered every
+        saved tensor but parameters, as eager methods encode the model's input: a graph input is often a
+        layout copy made for the compiled kernels (channels-last on a CPU), which only the graph holds."""
+        with torch.autograd.graph.saved_tensors_hooks(self.pack_gm, self.unpack_gm), \
+                torch._functorch.config.patch(saved_tensors_hooks_filtering_mode="no_static"):
+            yield self
+
+
+def _graph_module(fn) -> torch.fx.GraphModule:
+    """A GraphModule of one call to ``fn``: AOTAutograd retraces it, running ``fn`` on the traced tensors."""
+    graph = torch.fx.Graph()
+    arg = graph.placeholder("x")
+    graph.output(graph.call_function(fn, (arg,)))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def compiled_saved_tensors(output: torch.Tensor) -> List[torch.Tensor]:
+    """The tensors the compiled functions in ``output``'s autograd graph hold for backward."""
+    seen, stack, found = set(), [output.grad_fn], []
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if "CompiledFunctionBackward" in type(fn).__name__ or "CompiledFunctionBackward" in fn.name():
+            found.extend(t for t in fn.saved_tensors if isinstance(t, torch.Tensor))
+        stack.extend(nxt for nxt, _ in fn.next_functions)
+    return found
