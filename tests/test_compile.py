@@ -111,3 +111,19 @@ def test_traced_codec_rejects_bad_settings():
         TracedCodec(bits=3)
     with pytest.raises(ValueError, match="kind"):
         TracedCodec(kind="blpa")
+
+
+def test_compiled_division_survives_a_change_of_batch_size():
+    """An epoch's last, smaller batch recompiles the model. Dynamo would otherwise mark the batch dimension
+    dynamic on the second shape, and the traced codec's shapes (taken while tracing the forward) would be
+    symbols foreign to the backward's trace; the graph route compiles with static shapes."""
+    model, method = small_net(), build({"name": "division"})
+    method.prepare(model)
+    api.compile_model(model, method)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    state = engine.StepState(torch.device("cpu"))
+    for n in (8, 6, 8):
+        x = torch.randn(n, 3, 32, 32, generator=torch.Generator().manual_seed(n))
+        out = engine.train_step(model, method, x, torch.arange(n) % 10, opt, None, state, account=True)
+        assert torch.isfinite(out.loss) and out.report.held_bytes < out.report.fp_bytes / 3
+    assert api.graph_breaks() == 0

@@ -145,7 +145,10 @@ def compile_model(model: nn.Module, method) -> nn.Module:
                          "or set trainer.compile=false")
     import torch._dynamo.utils
     torch._dynamo.utils.counters.clear()
-    model.compile()
+    # A codec traced into the graphs plans each saved map by its shape while tracing the forward; symbolic
+    # (dynamic) shapes would reach the backward's trace as foreign symbols. A new batch size recompiles instead.
+    static = getattr(getattr(method, "saved_tensor_route", None), "static_shapes", False)
+    model.compile(dynamic=False if static else None)
     return model
 
 

@@ -230,6 +230,8 @@ class GraphCodecHooks:
     Use one instance for every forward of a compiled model: Dynamo guards on the hooks' identity, and other
     hooks would recompile it."""
 
+    static_shapes = True  # plans hold concrete shapes: the model is compiled with dynamic=False
+
     def __init__(self, codec: TracedCodec):
         self.codec = codec
         self.plans: Dict[tuple, Plan] = {}
