@@ -4,6 +4,8 @@ in alternating order; ratios taken per round, median and quartiles over rounds).
 
     python scripts/compile_check.py --model resnet20 --batch 128 --methods division,division_plus,actnn
     python scripts/compile_check.py --model resnet50 --batch 8 --image-size 224 --methods division
+    python scripts/compile_check.py --model resnet50 --batch 256 --image-size 224 --methods division \
+        --amp fp16 --device cuda --rounds 10        # the GPU ratio (scripts/gpu_check.py --only compile)
 
 Writes results/compile/<device>_<model>_b<batch>.json (commit, dirty flag, device recorded).
 """
@@ -19,7 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from division import api, engine, results  # noqa: E402
+from division import api, bench, engine, results  # noqa: E402
 from division.methods import build, load_config  # noqa: E402
 from division.models import create_model  # noqa: E402
 
@@ -33,6 +35,8 @@ def parse(argv=None):
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--amp", default="none", choices=list(engine.AMP_DTYPES),
+                   help="autocast dtype (fp16 adds a gradient scaler, as the benchmarks do)")
     p.add_argument("--out", default=str(ROOT / "results" / "compile"))
     return p.parse_args(argv)
 
@@ -53,7 +57,7 @@ def main(argv=None):
     base = create_model(args.model)
     x = torch.randn(args.batch, 3, args.image_size, args.image_size, generator=torch.Generator().manual_seed(1))
     x, y = x.to(device), (torch.arange(args.batch) % 10).to(device)
-    state = engine.StepState(device)
+    state = bench.step_state(device, args.amp)
     names = ["fp"] + [m for m in args.methods.split(",") if m and m != "fp"]
     variants, rows = {}, []
     for name in names:
@@ -92,9 +96,10 @@ def main(argv=None):
     for key, value in speed.items():
         print(f"{key:28s} {value}")
     tag = results.device_tag(device)
-    path = Path(args.out) / f"{tag}_{args.model}_b{args.batch}.json"
+    amp = "" if args.amp == "none" else f"_{args.amp}"
+    path = Path(args.out) / f"{tag}_{args.model}_b{args.batch}{amp}.json"
     results.write_json(path, {"status": "ok", "model": args.model, "batch_size": args.batch,
-                              "image_size": args.image_size, "rounds": args.rounds, "memory": rows, "speed": speed,
+                              "image_size": args.image_size, "amp": args.amp, "rounds": args.rounds, "memory": rows, "speed": speed,
                               "command": results.command_line("scripts/compile_check.py", argv or sys.argv[1:]),
                               **results.provenance(device)})
     print(f"wrote {results.relative_to_root(path)}")

@@ -9,7 +9,9 @@ call is planned for), every result labelled with the device's name:
   5. max batch: fp and division under one memory cap, fp16 (results/max_batch/gpu_<device>/);
   6. profile: where one DIVISION step's time goes at batch 256 (results/profile/);
   7. seeds (only with --only seeds, a call of its own): the fast CIFAR-10 recipe, fp and division alternating,
-     seeds 0-19 (experiment=cifar10_fast94_gpu; the data travels in .whl/data, see scripts/device/prepare.sh).
+     seeds 0-19 (experiment=cifar10_fast94_gpu; the data travels in .whl/data, see scripts/device/prepare.sh);
+  8. compile (only with --only compile): torch.compile'd DIVISION / compiled fp against the eager ratio,
+     ResNet-50 at batch 256, fp16 (results/compile/<device>_resnet50_b256_fp16.json).
 
 Each step has its own time limit, cut to what is left of the budget; a step that fails or runs out of time
 leaves what it finished (each benchmark configuration is its own file) and the next step runs.
@@ -54,10 +56,12 @@ def steps(tag: str, force: bool = False):
                      "--amp", "fp16", "--device", "cuda"], 40),
         ("seeds", [py, "train.py", "-m", "experiment=cifar10_fast94_gpu", f"seed={','.join(map(str, range(20)))}",
                    "method=fp,division", "logger=none", "trainer.progress=false"], 560),
+        ("compile", [py, "scripts/compile_check.py", "--model", "resnet50", "--batch", "256", "--image-size", "224",
+                     "--methods", "division", "--amp", "fp16", "--device", "cuda", "--rounds", "10"], 420),
     ]
 
 
-DEFAULT_STEPS = ("tests", "paper", "paired", "codec", "max batch", "profile")  # seeds: a call of their own
+DEFAULT_STEPS = ("tests", "paper", "paired", "codec", "max batch", "profile")  # seeds, compile: calls of their own
 
 
 def dry_run(plan):
@@ -132,6 +136,12 @@ def summary(tag: str, done) -> str:
     for f in sorted((ROOT / "results" / "max_batch" / f"gpu_{tag}").glob("*.json")):
         r = json.loads(f.read_text())
         lines.append(f"max batch {r['method']}: {r['max_batch']} within {r['budget']}")
+    for f in sorted((ROOT / "results" / "compile").glob(f"{tag}_*.json")):
+        r = json.loads(f.read_text())
+        lines += [f"compile b{r['batch_size']} {key:20s} {v['img_s']:8.1f} img/s, {v['relative_to_fp_same_mode']:.3f} of fp"
+                  for key, v in r.get("speed", {}).items()]
+        lines += [f"compile b{r['batch_size']} {m['method']}{' compiled' if m['compiled'] else ''}: "
+                  f"{m['graph_breaks']} breaks, {m['ratio']}x" for m in r.get("memory", [])]
     return "\n".join(lines) + "\n"
 
 

@@ -59,7 +59,7 @@ def _prepared(model_spec: str, method_cfg: dict, image_size: int, num_classes: i
     return model, method, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
 
-def _step_state(device: torch.device, amp: str) -> engine.StepState:
+def step_state(device: torch.device, amp: str) -> engine.StepState:
     return engine.StepState(device, amp, scaler=torch.amp.GradScaler("cuda") if amp == "fp16" else None)
 
 
@@ -87,7 +87,7 @@ def measure(model_name: str, batch: int, method_spec: str, image_size: int, step
     model, method, opt = _prepared(model_name, method_cfg, image_size, num_classes, device)
     x = torch.randn(batch, 3, image_size, image_size, device=device)
     y = torch.randint(0, num_classes, (batch,), device=device)
-    state = _step_state(device, amp)
+    state = step_state(device, amp)
     calibrate(model, method, batch, image_size, num_classes, device, state)
     live = release_freed_memory() if device.type == "cpu" and release_memory else False
     fp = engine.fp_reference(model, method, x, y, state) if fp_reference else None
@@ -132,7 +132,7 @@ def measure_paired(model_name: str, batch: int, method_specs, image_size: int, s
         reuse_freed_memory()
     x = torch.randn(batch, 3, image_size, image_size, generator=torch.Generator().manual_seed(1)).to(device)
     y = torch.randint(0, num_classes, (batch,), generator=torch.Generator().manual_seed(2)).to(device)
-    state = _step_state(device, amp)
+    state = step_state(device, amp)
     runs = [(spec, *_prepared(model_name, methods.load_config(spec), image_size, num_classes, device))
             for spec in method_specs]
     for _, model, method, _ in runs:
