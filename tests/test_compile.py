@@ -127,3 +127,48 @@ def test_compiled_division_survives_a_change_of_batch_size():
         out = engine.train_step(model, method, x, torch.arange(n) % 10, opt, None, state, account=True)
         assert torch.isfinite(out.loss) and out.report.held_bytes < out.report.fp_bytes / 3
     assert api.graph_breaks() == 0
+
+
+def test_kernel_operators_decode_as_the_eager_kernel_does():
+    """The custom operators run the same C kernel as the eager codec: with nearest rounding (deterministic)
+    the rebuilt maps are identical, bit for bit; the fake implementations give the real outputs' shapes and
+    dtypes (torch.library.opcheck)."""
+    from division.codecs.division import DivisionCodec
+    from division.compress import ops  # noqa: F401  (registers the operators)
+    if not __import__("division.kernels", fromlist=["available"]).available():
+        pytest.skip("no C compiler: the kernel operators are not used")
+    x = torch.randn(2, 3, 20, 13, generator=torch.Generator().manual_seed(0))  # partial 8x8 blocks on both sides
+    parts = torch.ops.division.encode_maps(x, 2, 8, 8, False)
+    back = torch.ops.division.decode_maps(*parts, 2, 20, 13, 8, 8)
+    eager = DivisionCodec(hfc_bits=2, stochastic=False, backend="compiled").encode(x).decode()
+    assert torch.equal(back, eager)
+    torch.library.opcheck(torch.ops.division.encode_maps.default, (x, 2, 8, 8, False))
+    torch.library.opcheck(torch.ops.division.decode_maps.default, (*parts, 2, 20, 13, 8, 8))
+
+
+def test_kernel_operators_turn_a_map_with_nan_into_nan_only_there():
+    """A NaN in one map: that map decodes to NaN throughout (its gradient shows it), the others as if it
+    were not there."""
+    from division.compress import ops  # noqa: F401
+    if not __import__("division.kernels", fromlist=["available"]).available():
+        pytest.skip("no C compiler: the kernel operators are not used")
+    x = torch.randn(2, 2, 16, 16, generator=torch.Generator().manual_seed(0))
+    bad = x.clone()
+    bad[1, 0, 3, 5] = float("nan")
+    clean = torch.ops.division.decode_maps(*torch.ops.division.encode_maps(x, 4, 8, 8, False), 4, 16, 16, 8, 8)
+    back = torch.ops.division.decode_maps(*torch.ops.division.encode_maps(bad, 4, 8, 8, False), 4, 16, 16, 8, 8)
+    assert torch.isnan(back[1, 0]).all()
+    keep = torch.ones(2, 2, dtype=torch.bool)
+    keep[1, 0] = False
+    assert torch.equal(back[keep], clean[keep])
+
+
+def test_compiled_division_uses_the_kernel_operators_on_the_cpu():
+    model, method = small_net(), build({"name": "division"})
+    method.prepare(model)
+    api.compile_model(model, method)
+    x = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    _step(model, method, x, torch.arange(8) % 10)
+    plans = [p for p in method.saved_tensor_route.plans.values() if p.action == "encode"]
+    kernels_built = __import__("division.kernels", fromlist=["available"]).available()
+    assert plans and all(p.kernel == kernels_built for p in plans)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from division.codecs.division import block_average, lfc_blocks, upsample_blocks
+from division.compress import ops
 
 COMPARISONS = {"aten.le.Scalar", "aten.lt.Scalar", "aten.gt.Scalar", "aten.ge.Scalar", "aten.eq.Scalar",
                "aten.threshold_backward.default"}
@@ -47,6 +48,7 @@ class TracedCodec:
     lfc_dtype: torch.dtype = torch.bfloat16
     stochastic: bool = True
     min_map_elems: int = 64
+    cpu_kernel: bool = True  # CPU DIVISION maps through the fused C kernel as custom operators (compress/ops.py)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -165,6 +167,17 @@ def decode(codec: TracedCodec, parts, shape) -> torch.Tensor:
     return dequantize_rows(packed, low, scale, codec.bits, codec.group).view(n, -1)[:, :c * h * w].reshape(shape)
 
 
+def encode_with_kernel(codec: TracedCodec, x: torch.Tensor):
+    """DIVISION through the fused C kernel, one custom operator (compress/ops.py)."""
+    bh, bw = lfc_blocks(x.shape[2], x.shape[3], codec.block)
+    return torch.ops.division.encode_maps(x, codec.bits, bh, bw, codec.stochastic)
+
+
+def decode_with_kernel(codec: TracedCodec, parts, shape) -> torch.Tensor:
+    h, w = shape[2], shape[3]
+    return torch.ops.division.decode_maps(*parts, codec.bits, h, w, *lfc_blocks(h, w, codec.block))
+
+
 def nbytes_of(parts) -> int:
     return sum(t.numel() * t.element_size() for t in parts)
 
@@ -177,6 +190,7 @@ class Plan:
     dtype: torch.dtype
     action: str  # "encode" | "bits" (a boolean mask) | "bf16" | "keep"
     sign: bool = False
+    kernel: bool = False  # encoded by the C kernel's operators (their layout), not the traced ops
     fp_bytes: int = 0
     held_bytes: int = 0
     users: List[str] = field(default_factory=list)
@@ -266,7 +280,8 @@ class GraphCodecHooks:
         elif plan.action == "bf16":
             parts = (x.to(torch.bfloat16),)
         elif plan.action == "encode":
-            parts = encode(self.codec, x)
+            plan.kernel = self.codec.cpu_kernel and ops.available(x, self.codec)
+            parts = encode_with_kernel(self.codec, x) if plan.kernel else encode(self.codec, x)
             if plan.sign:
                 parts = (*parts, pack_bools(x > 0))
         else:
@@ -283,7 +298,8 @@ class GraphCodecHooks:
             return unpack_bools(packed[0], plan.shape)
         if plan.action == "bf16":
             return packed[0].to(plan.dtype)
-        x = decode(self.codec, packed[:-1] if plan.sign else packed, plan.shape)
+        parts = packed[:-1] if plan.sign else packed
+        x = (decode_with_kernel if plan.kernel else decode)(self.codec, parts, plan.shape)
         if plan.sign:
             positive = unpack_bools(packed[-1], plan.shape)
             x = torch.where(positive, x.clamp_min(torch.finfo(plan.dtype).tiny), x.clamp_max(0))

@@ -1,0 +1,74 @@
+"""The fused CPU DIVISION kernel (division/kernels/division_cpu.c) as PyTorch custom operators, so that a
+compiled graph calls it as one opaque kernel instead of the compiler's own loops for pooling, statistics,
+dither and packing (compress/graph_hooks.py chooses it for CPU maps where the kernel library builds).
+
+``division::encode_maps(x, bits, bh, bw, stochastic)`` -> (LFC bf16 (N, C, ceil(H/bh), ceil(W/bw)), packed
+HFC codes uint8 (ceil(N*C*H*W*bits/8),), per-map minimum and scale float32 (N*C,)); ``division::decode_maps``
+rebuilds float32 (N, C, H, W). The fake implementations give the compiler these shapes without running
+anything. Stochastic rounding draws its seed from torch's CPU generator when the operator runs (each step
+afresh; rank-mixed under DDP, as the eager codec). A map holding NaN or Inf is encoded with those elements
+as zero and gets a NaN minimum, so it decodes to NaN throughout: the backward's gradients show it instead
+of a finite value that was never there.
+"""
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+from division.codecs.packing import packed_nbytes
+
+
+def _lfc_shape(x: Tensor, bh: int, bw: int):
+    n, c, h, w = x.shape
+    return n, c, -(-h // bh), -(-w // bw)
+
+
+@torch.library.custom_op("division::encode_maps", mutates_args=(), device_types="cpu")
+def encode_maps(x: Tensor, bits: int, bh: int, bw: int, stochastic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    from division.codecs.quant import encode_maps_compiled
+    n, c, h, w = x.shape
+    encoded = encode_maps_compiled(x, n * c, h, w, (bh, bw), bits, stochastic)
+    bad_maps = None
+    if encoded is None:  # NaN or Inf somewhere: encode the finite part, mark the maps that held them
+        finite = torch.isfinite(x)
+        bad_maps = ~finite.reshape(n * c, -1).all(1)
+        encoded = encode_maps_compiled(torch.where(finite, x, torch.zeros((), dtype=x.dtype)), n * c, h, w,
+                                       (bh, bw), bits, stochastic)
+    lfc, q = encoded
+    minimum = q.minimum
+    if bad_maps is not None:
+        minimum = minimum.masked_fill(bad_maps, float("nan"))
+    return lfc.view(_lfc_shape(x, bh, bw)), q.packed, minimum, q.scale
+
+
+@encode_maps.register_fake
+def _(x, bits, bh, bw, stochastic):
+    n, c, h, w = x.shape
+    lfc = x.new_empty(_lfc_shape(x, bh, bw), dtype=torch.bfloat16)
+    packed = x.new_empty((packed_nbytes(n * c * h * w, bits),), dtype=torch.uint8)
+    return lfc, packed, x.new_empty((n * c,), dtype=torch.float32), x.new_empty((n * c,), dtype=torch.float32)
+
+
+@torch.library.custom_op("division::decode_maps", mutates_args=(), device_types="cpu")
+def decode_maps(lfc: Tensor, packed: Tensor, minimum: Tensor, scale: Tensor, bits: int, h: int, w: int,
+                bh: int, bw: int) -> Tensor:
+    from division.codecs.quant import QuantizedTensor, decode_rows_compiled
+    n, c = lfc.shape[:2]
+    q = QuantizedTensor(packed, minimum, scale, bits, n * c, h * w, torch.float32, backend="compiled")
+    return decode_rows_compiled(q, lfc, (h, w), (bh, bw)).view(n, c, h, w)
+
+
+@decode_maps.register_fake
+def _(lfc, packed, minimum, scale, bits, h, w, bh, bw):
+    return lfc.new_empty((lfc.shape[0], lfc.shape[1], h, w), dtype=torch.float32)
+
+
+def available(x: Tensor, codec) -> bool:
+    """Whether the kernel operators can keep ``x`` under ``codec`` (CPU, DIVISION with a bf16 LFC, fp32 or
+    bf16 maps, the kernel library built)."""
+    if x.device.type != "cpu" or codec.kind != "division" or codec.lfc_dtype != torch.bfloat16:
+        return False
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    from division import kernels
+    return kernels.library() is not None
