@@ -533,11 +533,12 @@ def _plot_throughput(ok, path):
     _save(plt, fig, path)
 
 
-def paired_differences(ok, method: str, baseline: str):
-    """Per-seed top-1 differences method - baseline over the seeds both have (paired by seed), their mean and
-    95 % t interval (n-1 degrees of freedom); None where fewer than two pairs exist."""
-    a = {r["seed"]: r["top1"] for r in ok if r["method"] == method}
-    b = {r["seed"]: r["top1"] for r in ok if r["method"] == baseline}
+def paired_differences(ok, method: str, baseline: str, key: str = "top1"):
+    """Per-seed differences of ``key`` (top-1, or top-1 with TTA) method - baseline over the seeds both have
+    (paired by seed), their mean and 95 % t interval (n-1 degrees of freedom); None where fewer than two
+    pairs exist."""
+    a = {r["seed"]: r[key] for r in ok if r["method"] == method and r.get(key) is not None}
+    b = {r["seed"]: r[key] for r in ok if r["method"] == baseline and r.get(key) is not None}
     seeds = sorted(set(a) & set(b))
     diffs = [a[s] - b[s] for s in seeds]
     if len(diffs) < 2:
@@ -561,9 +562,10 @@ def paired_table(ok, out: Path, experiment: str):
     pairs = [(m, "fp") for m in methods if m != "fp"]
     pairs += [(a, b) for a, b in QUESTION_PAIRS if a in methods and b in methods]
     header = ["comparison", "seeds", "per-seed difference (points)", "mean", "95 % CI (t)", "reading"]
+    keys = ["top1"] + (["top1_tta"] if any(r.get("top1_tta") is not None for r in ok) else [])
     rows = []
-    for method, base in pairs:
-        seeds, diffs, mean, ci = paired_differences(ok, method, base)
+    for (method, base), key in ((pair, key) for pair in pairs for key in keys):
+        seeds, diffs, mean, ci = paired_differences(ok, method, base, key)
         if not diffs:
             continue
         if ci is None:
@@ -572,7 +574,7 @@ def paired_table(ok, out: Path, experiment: str):
             reading = f"{method} {'above' if ci[0] > 0 else 'below'} {base} (interval excludes 0)"
         else:
             reading = f"no difference shown; the interval allows {ci[0]:+.2f} to {ci[1]:+.2f} points"
-        rows.append([f"{method} - {base}", ",".join(map(str, seeds)), ", ".join(f"{d:+.2f}" for d in diffs),
+        rows.append([f"{method} - {base}" + (" (with TTA)" if key == "top1_tta" else ""), ",".join(map(str, seeds)), ", ".join(f"{d:+.2f}" for d in diffs),
                      "" if mean is None else f"{mean:+.2f}", "" if ci is None else f"[{ci[0]:+.2f}, {ci[1]:+.2f}]",
                      reading])
     if not rows:

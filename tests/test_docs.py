@@ -110,3 +110,16 @@ def test_user_config_folder_adds_to_the_shipped_groups(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "seed: 7" in out.stdout and "name: resnet32" in out.stdout
+
+
+@pytest.mark.parametrize("lo,hi,says", [
+    (-0.97, -0.08, "below fp here"),
+    (-0.9, -0.3, "by more than the paper's 0.2 points"),
+    (0.1, 0.5, "above fp here"),
+    (-0.15, 0.3, "a loss of more than the paper's 0.2 points is ruled out"),
+    (-1.85, 1.22, "a loss of up to 1.85 points is not ruled out"),
+])
+def test_readme_reading_of_an_interval(lo, hi, says):
+    """The sentence under the README's table says what DIVISION's paired interval excludes and what it cannot."""
+    text = results_pages._reading((lo + hi) / 2, lo, hi, 3)
+    assert says in text and f"[{lo:+.2f}, {hi:+.2f}]" in text and "3 paired seeds" in text

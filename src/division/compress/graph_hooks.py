@@ -178,6 +178,17 @@ def decode_with_kernel(codec: TracedCodec, parts, shape) -> torch.Tensor:
     return torch.ops.division.decode_maps(*parts, codec.bits, h, w, *lfc_blocks(h, w, codec.block))
 
 
+RELUS = {"aten.relu.default"}
+
+
+def with_signs(x: torch.Tensor, positive: torch.Tensor, dtype: torch.dtype, relu: bool) -> torch.Tensor:
+    """Decoded ``x`` made to agree with the exact signs: > 0 where ``positive`` (at least the dtype's epsilon,
+    not its smallest normal: products of such values in the backward's convolutions would be denormals, which
+    slowed a CPU step 5x), else <= 0, and exactly 0 for a ReLU's output (all its non-positive values are)."""
+    up = x.clamp_min(torch.finfo(dtype).eps)
+    return torch.where(positive, up, torch.zeros((), dtype=x.dtype) if relu else x.clamp_max(0))
+
+
 def nbytes_of(parts) -> int:
     return sum(t.numel() * t.element_size() for t in parts)
 
@@ -194,6 +205,7 @@ class Plan:
     fp_bytes: int = 0
     held_bytes: int = 0
     users: List[str] = field(default_factory=list)
+    producer: str = ""  # the forward op that made the saved tensor ("aten.relu.default": zero where not > 0)
     parts: List[tuple] = field(default_factory=list)  # (shape, dtype) of each tensor that keeps it
 
 
@@ -259,7 +271,8 @@ class GraphCodecHooks:
         placeholder = _backward_placeholder(ctx)
         users = sorted(str(u.target) for u in placeholder.users) if placeholder is not None else []
         node = ctx["_node"].name if ctx and "_node" in ctx else "?"
-        plan = Plan(node, tuple(x.shape), x.dtype, "keep", users=users,
+        producer = str(ctx["_node"].target) if ctx and "_node" in ctx else ""
+        plan = Plan(node, tuple(x.shape), x.dtype, "keep", users=users, producer=producer,
                     fp_bytes=x.numel() * x.element_size())
         if x.dim() == 4 and x.dtype == torch.bool:
             plan.action = "bits"
@@ -283,7 +296,8 @@ class GraphCodecHooks:
             plan.kernel = self.codec.cpu_kernel and ops.available(x, self.codec)
             parts = encode_with_kernel(self.codec, x) if plan.kernel else encode(self.codec, x)
             if plan.sign:
-                parts = (*parts, pack_bools(x > 0))
+                relu_kernel = plan.kernel and plan.producer in RELUS
+                parts = (*parts, torch.ops.division.relu_signs(x) if relu_kernel else pack_bools(x > 0))
         else:
             return x
         plan.held_bytes = nbytes_of(parts)
@@ -299,10 +313,14 @@ class GraphCodecHooks:
         if plan.action == "bf16":
             return packed[0].to(plan.dtype)
         parts = packed[:-1] if plan.sign else packed
+        if plan.sign and plan.kernel and plan.producer in RELUS:  # the kernel applies the ReLU's mask
+            h, w = plan.shape[2], plan.shape[3]
+            return torch.ops.division.decode_relu_maps(*packed, self.codec.bits, h, w,
+                                                       *lfc_blocks(h, w, self.codec.block),
+                                                       float(torch.finfo(plan.dtype).eps)).to(plan.dtype)
         x = (decode_with_kernel if plan.kernel else decode)(self.codec, parts, plan.shape)
         if plan.sign:
-            positive = unpack_bools(packed[-1], plan.shape)
-            x = torch.where(positive, x.clamp_min(torch.finfo(plan.dtype).tiny), x.clamp_max(0))
+            x = with_signs(x, unpack_bools(packed[-1], plan.shape), plan.dtype, plan.producer in RELUS)
         return x.to(plan.dtype)
 
     def records(self, output: torch.Tensor, ids, exclude, params, weight_casts: dict):

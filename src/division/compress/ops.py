@@ -4,7 +4,8 @@ dither and packing (compress/graph_hooks.py chooses it for CPU maps where the ke
 
 ``division::encode_maps(x, bits, bh, bw, stochastic)`` -> (LFC bf16 (N, C, ceil(H/bh), ceil(W/bw)), packed
 HFC codes uint8 (ceil(N*C*H*W*bits/8),), per-map minimum and scale float32 (N*C,)); ``division::decode_maps``
-rebuilds float32 (N, C, H, W). The fake implementations give the compiler these shapes without running
+rebuilds float32 (N, C, H, W); ``division::relu_signs`` and ``division::decode_relu_maps`` add a ReLU
+output's exact mask (one bit per element, made and applied by the kernel library). The fake implementations give the compiler these shapes without running
 anything. Stochastic rounding draws its seed from torch's CPU generator when the operator runs (each step
 afresh; rank-mixed under DDP, as the eager codec). A map holding NaN or Inf is encoded with those elements
 as zero and gets a NaN minimum, so it decodes to NaN throughout: the backward's gradients show it instead
@@ -21,6 +22,33 @@ from division.codecs.packing import packed_nbytes
 def _lfc_shape(x: Tensor, bh: int, bw: int):
     n, c, h, w = x.shape
     return n, c, -(-h // bh), -(-w // bw)
+
+
+@torch.library.custom_op("division::relu_signs", mutates_args=(), device_types="cpu")
+def relu_signs(x: Tensor) -> Tensor:
+    """One bit per element, set where ``x`` > 0 (a ReLU's output keeps its mask exactly), packed 8 to a byte."""
+    from division.codecs.exact import BitMask
+    return BitMask.positive(x.float(), backend="compiled").packed
+
+
+@relu_signs.register_fake
+def _(x):
+    return x.new_empty((packed_nbytes(x.numel(), 1),), dtype=torch.uint8)
+
+
+@torch.library.custom_op("division::decode_relu_maps", mutates_args=(), device_types="cpu")
+def decode_relu_maps(lfc: Tensor, packed: Tensor, minimum: Tensor, scale: Tensor, signs: Tensor, bits: int,
+                     h: int, w: int, bh: int, bw: int, floor: float) -> Tensor:
+    """:func:`decode_maps` for a ReLU's output: > 0 (at least ``floor``) where its sign bit is set, exactly 0
+    elsewhere, so that the mask the backward recomputes from it is the forward's."""
+    from division.codecs.exact import BitMask
+    x = decode_maps(lfc, packed, minimum, scale, bits, h, w, bh, bw).clamp_min_(floor)
+    return BitMask(signs, x.shape, "compiled").apply(x, inplace=True)
+
+
+@decode_relu_maps.register_fake
+def _(lfc, packed, minimum, scale, signs, bits, h, w, bh, bw, floor):
+    return lfc.new_empty((lfc.shape[0], lfc.shape[1], h, w), dtype=torch.float32)
 
 
 @torch.library.custom_op("division::encode_maps", mutates_args=(), device_types="cpu")
