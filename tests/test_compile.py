@@ -35,11 +35,12 @@ def _relative(a, b):
 
 def test_compiled_division_step_matches_eager_without_graph_breaks():
     """8-bit codes, nearest rounding: the same loss (compression touches only backward; the compiled forward
-    sums in its own order, hence float tolerance), gradients near fp's, bytes within 10 % of eager DIVISION's,
-    no graph break. The codec runs inside the compiled graphs (compress/graph_hooks.py). The gradient bound:
-    each rebuilt map is within half a step (range/510) of the original, which measured 0.006 of the
-    gradient's norm here, as eager (0.04 while the last batch norm's input, from which the backward
-    recomputes a ReLU mask, was encoded rather than held in bf16)."""
+    sums in its own order, hence float tolerance), gradients near fp's, held bytes within 5 % of eager
+    DIVISION's (the issue's bound), no graph break. The codec runs inside the compiled graphs
+    (compress/graph_hooks.py). The gradient bound: each rebuilt map is within half a step (range/510) of the
+    original, which measured 0.003 of the gradient's norm compiled and 0.006 eager. ReLU outputs are saved
+    (SaveReluOutputs), so no map is left in bf16 for a mask the backward would recompute from it: with that
+    fallback the compiled graph held 8 % more than eager here, 58 % more on ResNet-50."""
     spec = {"name": "division", "hfc_bits": 8, "stochastic": False}
     x, y = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(1)), torch.arange(8) % 10
     ref = small_net()
@@ -55,8 +56,8 @@ def test_compiled_division_step_matches_eager_without_graph_breaks():
     torch.testing.assert_close(loss_c, loss_e)
     assert _relative(compiled, ref) < 0.01 and _relative(eager, ref) < 0.01
     assert any(r["codec"] == "compiled encode + sign bits" for r in report_c.layers)
-    assert any(r["codec"] == "compiled bf16" for r in report_c.layers)
-    assert 0.9 < report_c.held_bytes / report_e.held_bytes < 1.1, (report_c.held_bytes, report_e.held_bytes)
+    assert not any(r["codec"] == "compiled bf16" for r in report_c.layers)
+    assert 0.95 < report_c.held_bytes / report_e.held_bytes < 1.05, (report_c.held_bytes, report_e.held_bytes)
     assert report_c.held_bytes < report_c.fp_bytes / 3
 
 
@@ -191,3 +192,12 @@ def test_relu_maps_come_back_with_their_exact_mask_and_no_denormals():
     assert torch.equal(traced, back)
     general = graph_hooks.with_signs(decoded, x > 0, torch.float32, relu=False)
     assert torch.equal(general > 0, x > 0) and bool((general[x <= 0] <= 0).all())
+
+
+@pytest.mark.parametrize("h,w,bits,pays", [(7, 7, 2, True), (3, 3, 2, True), (2, 2, 2, False), (2, 4, 2, False),
+                                           (3, 3, 8, False), (56, 56, 8, True)])
+def test_traced_codec_encodes_a_map_only_where_it_takes_fewer_bytes_than_bf16(h, w, bits, pays):
+    """ResNet-50's 7x7 maps are encoded (LFC 2 + codes 13 + statistics 8 bytes against bf16's 98): left in
+    float32 by the former 64-element floor they were 27.6 MB of a batch-8 step's 84.6 MB held."""
+    from division.compress.graph_hooks import TracedCodec
+    assert TracedCodec(bits=bits).pays_off(h, w) is pays

@@ -11,7 +11,9 @@ numbers, codes packed ``8 // bits`` to a byte.
 
 Which saved tensors are encoded is decided when the graph is traced, from the saved node itself (AOTAutograd
 shows the hook the node and the backward graph; only the graph's own intermediates are offered, never its
-inputs or parameters): floating-point 4-D maps of at least ``min_map_elems`` elements per map. A map that the
+inputs or parameters): floating-point 4-D maps where encoding pays off (``TracedCodec.pays_off``; smaller
+maps in bf16, as the eager codec keeps them). ReLU outputs are saved rather than recomputed in the backward
+(:class:`SaveReluOutputs`). A map that the
 backward compares with zero (a ReLU's ``le(out, 0)`` mask) also keeps one exact bit per element saying
 whether it is > 0, without which a decoded zero that came back positive would let gradient through. Boolean
 4-D masks the graph saves are packed eight to a byte. Everything else is held as the graph holds it.
@@ -47,8 +49,9 @@ class TracedCodec:
     group: int = 256
     lfc_dtype: torch.dtype = torch.bfloat16
     stochastic: bool = True
-    min_map_elems: int = 64
+    min_map_elems: int = 9  # smaller maps (and those DIVISION would keep in more bytes than bf16) go to bf16
     cpu_kernel: bool = True  # CPU DIVISION maps through the fused C kernel as custom operators (compress/ops.py)
+    save_relu_outputs: bool = True  # the partitioner saves ReLU outputs instead of recomputing them (see below)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -58,6 +61,17 @@ class TracedCodec:
         for key in ("block", "group", "min_map_elems"):
             if getattr(self, key) < 1:
                 raise ValueError(f"traced codec {key}={getattr(self, key)!r} is invalid; it must be >= 1")
+
+    def pays_off(self, h: int, w: int) -> bool:
+        """Whether an h x w map is worth encoding: at least ``min_map_elems`` elements, and (DIVISION) its LFC,
+        codes and two float32 statistics take fewer bytes than bf16 would (the eager codec's rule)."""
+        if h * w < self.min_map_elems:
+            return False
+        if self.kind != "division":
+            return True
+        bh, bw = lfc_blocks(h, w, self.block)
+        lfc = -(-h // bh) * -(-w // bw) * self.lfc_dtype.itemsize
+        return lfc + -(-h * w * self.bits // 8) + 8 < 2 * h * w
 
 
 # --- codes and bits as plain tensor operations ------------------------------------------------------------
@@ -276,9 +290,11 @@ class GraphCodecHooks:
                     fp_bytes=x.numel() * x.element_size())
         if x.dim() == 4 and x.dtype == torch.bool:
             plan.action = "bits"
-        elif x.dim() == 4 and x.is_floating_point() and x.shape[2] * x.shape[3] >= self.codec.min_map_elems:
+        elif x.dim() == 4 and x.is_floating_point() and x.shape[2] * x.shape[3] > 1:
             plan.action, plan.sign = "encode", any(u in COMPARISONS for u in users)
-            if not plan.sign and placeholder is not None and _compared_after_pointwise(placeholder):
+            if not self.codec.pays_off(x.shape[2], x.shape[3]):
+                plan.action, plan.sign = "bf16", False  # bf16 keeps every sign (and zero) as it was
+            elif not plan.sign and placeholder is not None and _compared_after_pointwise(placeholder):
                 plan.action = "bf16"  # a mask recomputed from decoded values would flip near zero
         if ctx and "_fw_graph" in ctx:
             self.plans[(id(ctx["_fw_graph"]), node)] = plan
@@ -291,6 +307,9 @@ class GraphCodecHooks:
         if plan.action == "bits":
             parts = (pack_bools(x),)
         elif plan.action == "bf16":
+            if x.dtype in (torch.bfloat16, torch.float16):  # already 2 bytes: nothing to gain
+                plan.action = "keep"
+                return x
             parts = (x.to(torch.bfloat16),)
         elif plan.action == "encode":
             plan.kernel = self.codec.cpu_kernel and ops.available(x, self.codec)
@@ -360,9 +379,38 @@ class GraphCodecHooks:
         """Around a compiled model's forward (graphs compile lazily, inside it). The hooks are offered every
         saved tensor but parameters, as eager methods encode the model's input: a graph input is often a
         layout copy made for the compiled kernels (channels-last on a CPU), which only the graph holds."""
+        passes = {"joint_custom_pre_pass": SaveReluOutputs()} if self.codec.save_relu_outputs else {}
         with torch.autograd.graph.saved_tensors_hooks(self.pack_gm, self.unpack_gm), \
-                torch._functorch.config.patch(saved_tensors_hooks_filtering_mode="no_static"):
+                torch._functorch.config.patch(saved_tensors_hooks_filtering_mode="no_static"), \
+                torch._inductor.config.patch(**passes):
             yield self
+
+
+def _save_relu_outputs(graph) -> None:
+    from torch.utils.checkpoint import CheckpointPolicy
+    graph = getattr(graph, "graph", graph)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.relu.default:
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+
+try:
+    from torch._inductor.custom_graph_pass import CustomGraphPass as _PassBase
+except ImportError:  # an older torch: the pass is a plain callable (no caching of the compiled graphs)
+    _PassBase = object
+
+
+class SaveReluOutputs(_PassBase):
+    """A joint-graph pass that marks every ReLU output MUST_SAVE. Left to itself the partitioner saves a
+    convolution's output and recomputes batch norm and ReLU from it in the backward, mask included; a mask
+    recomputed from a decoded map would flip near zero, so such a map had to stay in bf16 (2 bytes an element).
+    With the ReLU output saved it is encoded with its exact sign bits, as eager DIVISION keeps it."""
+
+    def __call__(self, graph) -> None:
+        _save_relu_outputs(graph)
+
+    def uuid(self):
+        return "division.compress.graph_hooks.SaveReluOutputs/1"
 
 
 def _graph_module(fn) -> torch.fx.GraphModule:
