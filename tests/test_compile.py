@@ -201,3 +201,18 @@ def test_traced_codec_encodes_a_map_only_where_it_takes_fewer_bytes_than_bf16(h,
     float32 by the former 64-element floor they were 27.6 MB of a batch-8 step's 84.6 MB held."""
     from division.compress.graph_hooks import TracedCodec
     assert TracedCodec(bits=bits).pays_off(h, w) is pays
+
+
+def test_cpu_graph_route_keeps_nchw_layouts_while_compiling():
+    """On a CPU the route compiles with Inductor's layout optimisation off (the C kernel's maps are NCHW:
+    channels-last graphs copied every saved map and slowed every convolution backward) and only there."""
+    import torch._inductor.config as inductor_config
+    model, method = small_net(), build({"name": "division"})
+    method.prepare(model)
+    api.compile_model(model, method)
+    route = method.saved_tensor_route
+    assert route.keep_layouts
+    before = inductor_config.layout_optimization
+    with route.context():
+        assert inductor_config.layout_optimization is False
+    assert inductor_config.layout_optimization == before

@@ -60,7 +60,8 @@ class PolicyMethod(Method, metaclass=ABCMeta):
         self.remove(model)
         codec = self.traced_codec()
         if codec is not None and graph_hooks.inlining_supported():
-            self.saved_tensor_route = graph_hooks.GraphCodecHooks(codec)
+            on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+            self.saved_tensor_route = graph_hooks.GraphCodecHooks(codec, keep_layouts=on_cpu)
             note = ("compiled: the codec runs inside the compiled graphs (saved-tensor hooks inlined by "
                     "AOTAutograd): encode at the forward's end, decode at the backward's start")
         else:
