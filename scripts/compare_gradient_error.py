@@ -38,11 +38,18 @@ def main(argv=None):
     p.add_argument("--draws", type=int, default=3)
     p.add_argument("--data-root")
     p.add_argument("--synthetic", action="store_true", help="random data and weights: a smoke run")
+    p.add_argument("--random-init", action="store_true",
+                   help="the model's initial weights (seed 0) on real test images: for a model with no trained "
+                        "checkpoint here (ResNet-50 at 224); the report says so")
+    p.add_argument("--image-size", type=int, default=0,
+                   help="resize the 32x32 test images to this size (bilinear), e.g. 224 for ImageNet-shaped models")
     p.add_argument("--tag", default="resnet20")
     p.add_argument("--out", default=str(ROOT / "results" / "analysis"))
     args = p.parse_args(argv)
-    if not args.checkpoint and not args.synthetic:
-        p.error("--checkpoint is required (or --synthetic for a smoke run)")
+    if not args.checkpoint and not args.synthetic and not args.random_init:
+        p.error("--checkpoint is required (or --random-init for initial weights, --synthetic for a smoke run)")
+    if args.image_size < 0:
+        p.error(f"--image-size={args.image_size} is invalid; 0 (keep 32) or a positive size")
     torch.manual_seed(0)
     model = create_model(args.model, num_classes=10)
     if args.checkpoint:
@@ -51,6 +58,9 @@ def main(argv=None):
         model.init_from_data(torch.randn(64, 3, 32, 32))
     batches = balanced_batches(cifar10_data_config(args.data_root, 200 if args.synthetic else 0), args.batches,
                                args.per_class)
+    if args.image_size:
+        batches = [(torch.nn.functional.interpolate(x, size=args.image_size, mode="bilinear", align_corners=False), y)
+                   for x, y in batches]
     per_batch = {m: [] for m in args.methods}
     for i, (x, y) in enumerate(batches):
         reference = weight_grads(model.train(), x, y)
@@ -82,13 +92,17 @@ def main(argv=None):
     first = next(iter(rows[base]["layers"]))  # the stem: its input is the image itself
     report = {"status": "ok", "model": args.model, "baseline": base, "batches": args.batches,
               "batch_size": int(batches[0][1].numel()), "draws": args.draws, "synthetic": args.synthetic,
+              "weights": "checkpoint" if args.checkpoint else "random init (seed 0)",
+              "image_size": args.image_size or 32,
               "checkpoint": results.relative_to_root(args.checkpoint) if args.checkpoint else None,
               "command": results.command_line("scripts/compare_gradient_error.py", argv or sys.argv[1:]),
               "methods": rows, **results.provenance(torch.device("cpu"))}
     out = Path(args.out)
     results.write_json(out / f"gradient_error_{args.tag}.json", report)
     fmt = lambda ci: "" if ci is None else f"[{ci[0]:.4f}, {ci[1]:.4f}]"  # noqa: E731
-    lines = [f"Weight-gradient error vs full precision, {args.model}, {args.batches} class-balanced test batches of "
+    weights = "" if args.checkpoint else ", initial weights (seed 0, untrained)"
+    size = f" at {args.image_size}x{args.image_size}" if args.image_size else ""
+    lines = [f"Weight-gradient error vs full precision, {args.model}{weights}, {args.batches} class-balanced test batches{size} of "
              f"{report['batch_size']}, {args.draws} draws each; mean over the analysed layers (convolutions; a "
              "ViT's token linear layers too); 95 % t intervals over batches.",
              "", f"| method | rel. L2 error | 95 % CI | cosine | first layer (`{first}`) | minus {base} (paired) | 95 % CI "
