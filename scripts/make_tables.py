@@ -18,7 +18,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from division import CONFIG_DIR, results  # noqa: E402
 from division.analysis import mean_interval, welch_interval  # noqa: E402
-from results_pages import load as _load  # noqa: E402  (scripts/ is on the path)
+import results_pages  # noqa: E402  (scripts/ is on the path)
+from results_pages import load as _load  # noqa: E402
 METHOD_ORDER = ["fp", "checkpoint", "sac", "compile_budget:budget=0.5", "compile_budget:budget=0.1", "swap", "blpa",
                 "mesa", "actnn", "division", "division_nolfc", "division_keep_input", "division_plus", "wrpn"]
 PAPER_NAMES = {"fp": "vanilla", "checkpoint": "checkpoint", "blpa": "blpa", "actnn": "actnn", "division": "division"}
@@ -457,7 +458,7 @@ def compile_table(records, out: Path):
                          "compiled" if m["compiled"] else "eager", m["graph_breaks"],
                          f"{m['held_bytes'] / MB:.2f}", f"{m['ratio']:.2f}x", speed.get("img_s", ""),
                          f"{speed['relative_to_fp_same_mode']:.3f} [{q[0]}, {q[1]}]" if speed else "",
-                         _device_label(rec), (rec.get("git_sha") or "unknown")[:8]])
+                         results_pages._device(rec), (rec.get("git_sha") or "unknown")[:8]])
     if not rows:
         return []
     return [_write_table(out / "compile", ["model", "batch", "amp", "method", "mode", "graph breaks", "held MiB",
@@ -468,10 +469,6 @@ def compile_table(records, out: Path):
         "compression against plain autograd in the same mode, and speed from interleaved steps in one process "
         "(eager fp, eager method, compiled fp, compiled method each round; ratio per round, median and quartiles "
         "over rounds).", records, per_row=True))]
-
-
-def _device_label(rec) -> str:
-    return re.sub(r", \d+ torch threads?$", "", rec.get("device") or "unknown")
 
 
 def budget_table(records, out: Path):

@@ -40,6 +40,13 @@ def lfc_blocks(height: int, width: int, block: int):
     return min(block, height), min(block, width)
 
 
+def map_nbytes(height: int, width: int, block: int, bits: int, lfc_itemsize: int, stat_itemsize: int) -> float:
+    """Bytes one (sample, channel) map takes under DIVISION: LFC, packed HFC, minimum and scale."""
+    bh, bw = lfc_blocks(height, width, block)
+    lfc = -(-height // bh) * -(-width // bw) * lfc_itemsize
+    return lfc + height * width * bits / 8 + 2 * stat_itemsize
+
+
 def block_average(x: torch.Tensor, block_hw) -> torch.Tensor:
     """Average over non-overlapping blocks; a partial last block averages only what it covers."""
     bh, bw = block_hw
@@ -170,9 +177,8 @@ class DivisionCodec:
 
     def map_nbytes(self, height: int, width: int) -> float:
         """Bytes DIVISION holds per (sample, channel) map: LFC, packed HFC, minimum and scale."""
-        bh, bw = lfc_blocks(height, width, self.block_size)
-        lfc = -(-height // bh) * -(-width // bw) * self.lfc_dtype.itemsize
-        return lfc + height * width * self.hfc_bits / 8 + 2 * STAT_DTYPES[self.stat_dtype].itemsize
+        return map_nbytes(height, width, self.block_size, self.hfc_bits, self.lfc_dtype.itemsize,
+                          STAT_DTYPES[self.stat_dtype].itemsize)
 
     def _lfc(self, xf: torch.Tensor, block_hw) -> torch.Tensor:
         lfc = block_average(xf, block_hw)

@@ -28,7 +28,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from division.codecs.division import block_average, lfc_blocks, upsample_blocks
+from division.codecs.division import block_average, lfc_blocks, map_nbytes, upsample_blocks
 from division.compress import ops
 
 COMPARISONS = {"aten.le.Scalar", "aten.lt.Scalar", "aten.gt.Scalar", "aten.ge.Scalar", "aten.eq.Scalar",
@@ -69,9 +69,7 @@ class TracedCodec:
             return False
         if self.kind != "division":
             return True
-        bh, bw = lfc_blocks(h, w, self.block)
-        lfc = -(-h // bh) * -(-w // bw) * self.lfc_dtype.itemsize
-        return lfc + -(-h * w * self.bits // 8) + 8 < 2 * h * w
+        return map_nbytes(h, w, self.block, self.bits, self.lfc_dtype.itemsize, 4) < 2 * h * w
 
 
 # --- codes and bits as plain tensor operations ------------------------------------------------------------
@@ -222,6 +220,15 @@ class Plan:
     producer: str = ""  # the forward op that made the saved tensor ("aten.relu.default": zero where not > 0)
     parts: List[tuple] = field(default_factory=list)  # (shape, dtype) of each tensor that keeps it
 
+    @property
+    def relu(self) -> bool:
+        return self.producer in RELUS
+
+    @property
+    def kernel_signs(self) -> bool:
+        """A ReLU output's sign bits made and applied by the kernel operators."""
+        return self.sign and self.kernel and self.relu
+
 
 def inlining_supported() -> bool:
     """Whether this torch inlines GraphModule saved-tensor hooks into compiled graphs (2.8 and later)."""
@@ -316,8 +323,7 @@ class GraphCodecHooks:
             plan.kernel = self.codec.cpu_kernel and ops.available(x, self.codec)
             parts = encode_with_kernel(self.codec, x) if plan.kernel else encode(self.codec, x)
             if plan.sign:
-                relu_kernel = plan.kernel and plan.producer in RELUS
-                parts = (*parts, torch.ops.division.relu_signs(x) if relu_kernel else pack_bools(x > 0))
+                parts = (*parts, torch.ops.division.relu_signs(x) if plan.kernel_signs else pack_bools(x > 0))
         else:
             return x
         plan.held_bytes = nbytes_of(parts)
@@ -332,15 +338,15 @@ class GraphCodecHooks:
             return unpack_bools(packed[0], plan.shape)
         if plan.action == "bf16":
             return packed[0].to(plan.dtype)
-        parts = packed[:-1] if plan.sign else packed
-        if plan.sign and plan.kernel and plan.producer in RELUS:  # the kernel applies the ReLU's mask
+        if plan.kernel_signs:
             h, w = plan.shape[2], plan.shape[3]
             return torch.ops.division.decode_relu_maps(*packed, self.codec.bits, h, w,
                                                        *lfc_blocks(h, w, self.codec.block),
                                                        float(torch.finfo(plan.dtype).eps)).to(plan.dtype)
+        parts = packed[:-1] if plan.sign else packed
         x = (decode_with_kernel if plan.kernel else decode)(self.codec, parts, plan.shape)
         if plan.sign:
-            x = with_signs(x, unpack_bools(packed[-1], plan.shape), plan.dtype, plan.producer in RELUS)
+            x = with_signs(x, unpack_bools(packed[-1], plan.shape), plan.dtype, plan.relu)
         return x.to(plan.dtype)
 
     def records(self, output: torch.Tensor, ids, exclude, params, weight_casts: dict):
@@ -392,14 +398,6 @@ class GraphCodecHooks:
             yield self
 
 
-def _save_relu_outputs(graph) -> None:
-    from torch.utils.checkpoint import CheckpointPolicy
-    graph = getattr(graph, "graph", graph)
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops.aten.relu.default:
-            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-
-
 try:
     from torch._inductor.custom_graph_pass import CustomGraphPass as _PassBase
 except ImportError:  # an older torch: the pass is a plain callable (no caching of the compiled graphs)
@@ -413,7 +411,10 @@ class SaveReluOutputs(_PassBase):
     With the ReLU output saved it is encoded with its exact sign bits, as eager DIVISION keeps it."""
 
     def __call__(self, graph) -> None:
-        _save_relu_outputs(graph)
+        from torch.utils.checkpoint import CheckpointPolicy
+        for node in getattr(graph, "graph", graph).nodes:
+            if node.op == "call_function" and node.target is torch.ops.aten.relu.default:
+                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
     def uuid(self):
         return "division.compress.graph_hooks.SaveReluOutputs/1"
