@@ -62,6 +62,7 @@ def _calibrated(name, budget, model_name="resnet20", batch=16, size=32, **option
 
 
 @pytest.mark.parametrize("name,budget", [("division_plus", "12x"), ("division_plus", "20x"), ("division", "10x"),
+                                         ("division_plus_compact", "20x"),
                                          ("division", "2MiB")])
 def test_held_bytes_fit_the_budget(name, budget):
     """One training step after calibration holds what the plan said, at most the budget and within 3 % of

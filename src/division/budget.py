@@ -134,13 +134,16 @@ class _Bf16:
         return Bf16Copy.encode(x)
 
 
-def measure_options(x: torch.Tensor, candidates, split=None) -> List[Option]:
-    """Each candidate encoded once (with the split mask the site's encode will get): its held bytes exactly,
-    its rounding variance from the stored scales (stochastic rounding adds scale^2 f(1-f) per element,
-    scale^2/6 on average); bf16: the measured error."""
+def measure_options(x: torch.Tensor, candidates, split=None, finish=None) -> List[Option]:
+    """Each candidate encoded once (with the split mask the site's encode will get, then ``finish``, e.g. the
+    compaction of a ReLU output's codes, as the site's save does): its held bytes exactly, its rounding
+    variance from the stored scales (stochastic rounding adds scale^2 f(1-f) per element, scale^2/6 on
+    average); bf16: the measured error."""
     options = []
     for name, codec in candidates:
         packed = codec.encode(x, split)
+        if finish is not None:
+            packed = finish(packed)
         options.append(Option(name, codec, packed.nbytes(), _variance(packed, x)))
     return options
 
@@ -222,13 +225,13 @@ class BudgetObserver:
         self.forwards = 0  # training forwards begun while observing (the plan comes at the next one)
         self.weighted_sites = 0  # convolution and linear sites observed so far (forward order)
 
-    def observe(self, layer: str, kind: str, x: torch.Tensor, candidates, split=None):
+    def observe(self, layer: str, kind: str, x: torch.Tensor, candidates, split=None, finish=None):
         key = site_key(layer, kind)
         if key in self.sites:
             return
         start = time.perf_counter()
         with torch.no_grad():
-            options = measure_options(x.detach(), candidates, split)
+            options = measure_options(x.detach(), candidates, split, finish)
             mean_square = float(x.detach().float().pow(2).mean())
         weighted = kind in ("conv", "linear")
         self.sites[key] = Site(layer, kind, tuple(x.shape), mean_square, options,

@@ -185,7 +185,8 @@ class SavePolicy:
                 packed = InputReference.encode(x)
             else:
                 args = (split,) if split is not None and self._split_aware else ()
-                packed = self.choose(kind, x, *args, **({"layer": layer} if self._layer_aware else {}))
+                packed = self.choose(kind, x, *args, **({"layer": layer, "compact": mask if compact else None}
+                                                         if self._layer_aware else {}))
             if compact:
                 packed = compact_relu(packed, mask, self.backend)
             record.codec = packed.kind

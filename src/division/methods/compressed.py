@@ -1,12 +1,14 @@
 """Methods that keep compressed copies of activations through the saving policy (DIVISION, ActNN-style,
 BLPA, the per-channel ablation). They differ only in which codec keeps which tensor."""
 from abc import ABCMeta, abstractmethod
+from functools import partial
 
 import torch
 import torch.nn as nn
 
 from division import compress
 from division.codecs import Bf16Copy, BlpaCodec, DivisionCodec, GroupwiseCodec, PerChannelCodec
+from division.codecs.compact import compact_relu
 from division.codecs.tokens import ChannelCodec, encode_tokens, on_grid
 from division.methods.base import Method
 
@@ -214,11 +216,14 @@ class Division(PolicyMethod):
     def _map_codec(self, height: int, width: int):
         return self.one_block_codec if height <= self.block_size and width <= self.block_size else self.codec
 
-    def choose(self, kind, x, split=None, layer=None):
+    def choose(self, kind, x, split=None, layer=None, compact=None):
+        """``compact``: the ReLU mask the policy compacts this output's codes with afterwards (compact_relu), so
+        that a budget measures each candidate's bytes as held."""
         if self.budget is not None and x.dim() == 4 and layer is not None:
             from division.budget import site_key
             if self._observer is not None:
-                self._observer.observe(layer, kind, x, self._candidates(x.shape[2], x.shape[3]), split)
+                finish = None if compact is None else partial(compact_relu, mask=compact, backend=self.backend)
+                self._observer.observe(layer, kind, x, self._candidates(x.shape[2], x.shape[3]), split, finish)
             option = None if self.plan is None else self.plan.option(site_key(layer, kind))
             if option is not None:
                 return option.codec.encode(x, split)
