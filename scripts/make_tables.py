@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from division import CONFIG_DIR, results  # noqa: E402
 from division.analysis import mean_interval, welch_interval  # noqa: E402
 import results_pages  # noqa: E402  (scripts/ is on the path)
-from results_pages import load as _load  # noqa: E402
+from results_pages import load as _load, load_runs  # noqa: E402
 METHOD_ORDER = ["fp", "checkpoint", "sac", "compile_budget:budget=0.5", "compile_budget:budget=0.1", "swap", "blpa",
                 "mesa", "actnn", "division", "division_nolfc", "division_keep_input", "division_plus", "wrpn"]
 PAPER_NAMES = {"fp": "vanilla", "checkpoint": "checkpoint", "blpa": "blpa", "actnn": "actnn", "division": "division"}
@@ -425,8 +425,8 @@ def accuracy_table(runs, paper, out: Path, experiment: str):
                         "std over seeds (n runs; one run: no std)" + (", and with test-time augmentation" if tta else "")
                         + "; gap = method mean - fp mean over the same "
                         "seeds (over all of fp's where it shares none); Welch 95 % interval of the unpaired "
-                        "difference to fp over all runs" + (" (top-1 with TTA)" if tta else "") + "; activation compression of the first "
-                        "training step (and without the model's input, where recorded), mean over the "
+                        "difference to fp over all runs" + (" (top-1 with TTA)" if tta else "") + "; activation compression of the "
+                        "last epoch's first step (and without the model's input, where recorded), mean over the "
                         "same runs, against the method's own network under plain autograd, and also "
                         "against fp's held bytes where that network is another (a widened model); training throughput per run is the median over its epochs, shown as the mean "
                         "per processor and thread count and, in brackets, the mean ratio to fp's run of the same "
@@ -658,7 +658,7 @@ def main(argv=None):
             r["suite"] = parts[0]
         if len(parts) > 2:
             r["round"] = parts[1]
-    runs = [r for r in _load(res / "runs") if "epochs" in r]
+    runs = load_runs(res / "runs")
     maxb = [r for r in _load(res / "max_batch") if "max_batch" in r and ".probe" not in r["_path"]]
     texts = memory_table(bench, paper, out) + ablation_table(bench, out) + gpu_table(bench, paper, out) + \
         throughput_table(bench, paper, out) + \

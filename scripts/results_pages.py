@@ -39,6 +39,17 @@ def load(folder: Path):
     return out
 
 
+def load_runs(folder: Path):
+    """Training runs (result files with epochs); a run with ``method.budget`` is its own method in every table,
+    ``<method>:budget=<budget>`` as the analyses name it, not one more seed of the method without it."""
+    runs = [r for r in load(folder) if "epochs" in r]
+    for r in runs:
+        budget = (r.get("config", {}).get("method") or {}).get("budget")
+        if budget not in (None, "", "null"):
+            r["method"] = f"{r['method']}:budget={budget}"
+    return runs
+
+
 def commit_dates(root: Path, shas) -> dict:
     """{sha: commit date (YYYY-MM-DD)} from git, for the commits results record; absent when unknown."""
     shas = sorted({s for s in shas if s})
@@ -186,7 +197,7 @@ def glance(runs, bench) -> str:
 
 
 def results_page(res: Path, root: Path) -> str:
-    runs = [r for r in load(res / "runs") if "epochs" in r]
+    runs = load_runs(res / "runs")
     bench = [r for r in load(res / "bench") if "batch_size" in r]
     maxb = [r for r in load(res / "max_batch") if "max_batch" in r]
     budgets = [r for r in load(res / "budget") if "rows" in r]
@@ -216,7 +227,7 @@ def results_page(res: Path, root: Path) -> str:
 
 
 def readme_with_glance(readme: str, res: Path) -> str:
-    runs = [r for r in load(res / "runs") if "epochs" in r]
+    runs = load_runs(res / "runs")
     bench = [r for r in load(res / "bench") if "batch_size" in r]
     pattern = re.compile(re.escape(GLANCE_START) + ".*?" + re.escape(GLANCE_END), re.S)
     if not pattern.search(readme):

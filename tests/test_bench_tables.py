@@ -294,3 +294,15 @@ def test_codec_benchmark_rejects_bad_shapes():
     proc = subprocess.run([sys.executable, "scripts/bench_codec.py", "--shapes", "16x16"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "CxHxW" in proc.stderr
+
+
+def test_budget_runs_are_their_own_method_in_the_tables(tmp_path):
+    """A run with method.budget is ``<method>:budget=<b>``, a row of its own, not another seed of the method."""
+    results_pages = import_script("results_pages")
+    for i, (name, budget) in enumerate([("division_plus", None), ("division_plus", "20x"), ("fp", "")]):
+        folder = tmp_path / "exp" / f"run{i}"
+        folder.mkdir(parents=True)
+        rec = {"status": "ok", "epochs": [], "method": name, "config": {"method": {"name": name, "budget": budget}}}
+        (folder / "result.json").write_text(json.dumps(rec))
+    assert [r["method"] for r in results_pages.load_runs(tmp_path)] == ["division_plus", "division_plus:budget=20x",
+                                                                         "fp"]
