@@ -143,3 +143,41 @@ def test_sites_without_weights_count_their_error_for_every_weighted_layer_below(
     o = sites["9:gelu"].options[0]
     assert sites["9:gelu"].rel_error(o) == 2 * o.variance / sites["9:gelu"].mean_square
     observer.close()
+
+
+def _weighted_layers(model):
+    return [n for n, m in model.named_modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))
+            and m.weight.requires_grad]
+
+
+def test_probe_places_each_sites_error_where_backward_carries_it():
+    """The measured sensitivities follow backward exactly: a convolution's input changes its own weight
+    gradient and nothing else (every other layer's entry is exactly 0: the same arithmetic on the same
+    tensors); a batch norm's input changes layers at or before it only; a batch norm a fused convolution
+    rebuilds its input from changes that convolution's weight gradient (it would not, were the link lost)."""
+    model, method, plan, x, y, state = _calibrated("division_plus", "12x")
+    engine._forward(model, x, y, state)()  # a training forward: the policy notes which convolutions it fuses
+    layers = _weighted_layers(model)
+    order, fused_of = [n for n, _ in model.named_modules()], method.policy.fused
+    fused = {s.layer for s in plan.sites.values() if s.kind == "bn"} & set(method.policy.fused.values())
+    assert fused and all(s.sensitivities is not None and len(s.sensitivities) == len(layers)
+                         for s in plan.sites.values())
+    for s in plan.sites.values():
+        hit = [layers[i] for i, v in enumerate(s.sensitivities) if v != 0]
+        if s.kind == "conv":
+            assert hit == [s.layer], (s.layer, hit)
+        if s.kind == "bn":  # module order is forward order here
+            later = [n for n in hit if order.index(n) > order.index(s.layer) and fused_of.get(n) != s.layer]
+            assert not later, (s.layer, later)
+    for conv, bn in method.policy.fused.items():
+        site = plan.sites[f"{bn}:bn"]
+        assert site.sensitivities[layers.index(conv)] > 0, (bn, conv)
+
+
+def test_probe_or_norms_by_choice():
+    """budget_probe=false plans from the observed step's norms (no measured sensitivities); either way the
+    plan fits; a probe that is not a boolean is refused by name."""
+    *_, plan = _calibrated("division_plus", "12x", budget_probe=False)[:3]
+    assert all(s.sensitivities is None for s in plan.sites.values()) and plan.planned_bytes <= plan.budget_bytes
+    with pytest.raises(ValueError, match="budget_probe"):
+        build({**load_config("division_plus"), "budget": "12x", "budget_probe": "yes"})

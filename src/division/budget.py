@@ -5,23 +5,33 @@ How it works (the DIVISION-family methods, ``methods/compressed.py``):
 
 1. **Observe** one training step (``Division.calibrate`` before training, then every ``budget_refresh`` steps
    during it): for every 4-D activation a layer saves (a *site*), each candidate setting is encoded once
-   (HFC bits 1/2/4/8 x LFC blocks 8/16, or a bf16 copy) for its exact held bytes and its stochastic-rounding
-   variance (scale^2 / 6 per element, from the stored statistics); the step's backward gives each layer's
+   (HFC bits 1/2/4/8 x LFC blocks 8/16, or a bf16 copy) for its exact held bytes, and decoded for its mean
+   squared error; the step's backward gives each layer's
    output-gradient norm and weight-gradient norm.
-2. **Estimate** each candidate's relative weight-gradient error: for a convolution or linear layer
-   ``var * |g_out|^2 * fan_in / |dW|^2`` (independent rounding noise in the input adds that much to
-   ``|dW - dW_exact|^2``, relative to ``|dW|^2``); for sites without weights (batch norm, GELU inputs) the
-   relative activation error ``var / mean(x^2)``, once for every weighted layer before the site (its error
-   flows down the input gradient to all of their weight gradients).
+2. **Estimate** each candidate's relative weight-gradient error. By default it is measured
+   (``probe_sensitivities``, as GACT does): with the method bypassed, one full-precision forward, then one
+   backward per site in which that site alone holds a 2-bit encoding; the squared relative change of every
+   convolution's and linear layer's weight gradient, per unit of that encoding's mean squared error, is the
+   site's sensitivity, and a candidate's error is its measured mean squared error times it (independent
+   rounding noise adds linearly in variance). A batch norm whose output a fused convolution rebuilds
+   (``fuse_bn_relu``) perturbs that convolution's input too. With ``budget_probe=false``, or for a site
+   the probe does not find, an estimate from the observed step's norms: for a convolution or linear layer
+   ``var * |g_out|^2 * fan_in / |dW|^2``; for sites without weights ``var / mean(x^2)`` once for every
+   weighted layer before the site. On ResNet-50 at 224 (initial weights, batch 10) the estimate from norms
+   put 1-bit codes where they did most harm: at 17x its plan's error was 1.12, the measured one's 0.65.
 3. **Allocate**: a multiple-choice knapsack, solved by a Lagrangian sweep (each site takes the setting of
    least ``error + lambda * bytes``; ``lambda`` bisected to the smallest that fits), then upgrades by least
    error per byte while bytes remain. What the plan does not choose (ReLU masks, pool indices, statistics,
    bf16 2-D tensors) is held as measured, and counts against the budget.
 
-The estimate costs one observed step: encodes of every candidate per site, timed in ``Plan.observe_seconds``.
+The estimate costs one observed step (each candidate encoded and decoded once per site) and the probe (a
+forward and one backward per site, holding that step's full-precision activations), timed together in
+``Plan.observe_seconds``; a refresh during training (``budget_refresh``) re-measures bytes and variances and
+keeps the probe's sensitivities.
 """
 import math
 import re
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -64,15 +74,24 @@ class Site:
     grad_weight: Optional[float] = None  # |dW|^2 of its weight
     fan_in: int = 1  # elements of the input each weight-gradient entry sums over per output position
     reach: int = 1  # weight gradients this site's error reaches (see rel_error)
+    sensitivities: Optional[List[float]] = None  # measured (probe_sensitivities): per weighted layer
+
+    @property
+    def sensitivity(self) -> Optional[float]:
+        """Measured squared relative error, summed over weighted layers, per unit of variance."""
+        return None if self.sensitivities is None else sum(self.sensitivities)
 
     def rel_error(self, option: Option) -> float:
-        """Estimated relative weight-gradient error the option adds. A convolution's or linear layer's input
+        """Estimated relative weight-gradient error the option adds: with a measured ``sensitivity`` the
+        option's variance times it. Without one, from the observed step's norms: a convolution's or linear layer's input
         enters its own weight gradient only. A site without weights (a batch norm's or GELU's input) enters
         the input gradient its backward passes down, so its relative error reaches the weight gradient of
         every weighted layer before it (``reach``); counting it once made the allocation starve such sites
         near the budget's edge (measured on fast94 at 21.6x: error 1.53 against 0.58 for division_plus)."""
         if option.variance == 0:
             return 0.0
+        if self.sensitivity is not None:
+            return option.variance * self.sensitivity
         if self.grad_out and self.grad_weight:
             return option.variance * self.grad_out * self.fan_in / self.grad_weight
         return option.variance / max(self.mean_square, 1e-30) * self.reach
@@ -96,13 +115,16 @@ class Plan:
         return None if i is None else self.sites[key].options[i]
 
     def describe(self) -> dict:
+        errors = layer_errors(self.sites, self.choices)
         rows = [{"layer": s.layer, "kind": s.kind, "shape": list(s.shape), "choice": s.options[i].name,
                  "bytes": s.options[i].nbytes, "est_rel_error": s.rel_error(s.options[i])}
                 for key, i in self.choices.items() for s in [self.sites[key]]]
         return {"budget_bytes": self.budget_bytes, "planned_bytes": self.planned_bytes,
                 "fixed_bytes": self.fixed_bytes, "fp_bytes": self.fp_bytes,
                 "observe_seconds": round(self.observe_seconds, 3),
-                "est_rel_error_sum": sum(r["est_rel_error"] for r in rows), "layers": rows}
+                "est_rel_error_sum": sum(r["est_rel_error"] for r in rows),
+                "est_mean_rel_error": (statistics.mean(math.sqrt(e) for e in errors) if errors else None),
+                "layers": rows}
 
 
 def site_key(layer: str, kind: str) -> str:
@@ -136,9 +158,8 @@ class _Bf16:
 
 def measure_options(x: torch.Tensor, candidates, split=None, finish=None) -> List[Option]:
     """Each candidate encoded once (with the split mask the site's encode will get, then ``finish``, e.g. the
-    compaction of a ReLU output's codes, as the site's save does): its held bytes exactly, its rounding
-    variance from the stored scales (stochastic rounding adds scale^2 f(1-f) per element, scale^2/6 on
-    average); bf16: the measured error."""
+    compaction of a ReLU output's codes, as the site's save does): its held bytes exactly and the mean squared
+    error of its decode."""
     options = []
     for name, codec in candidates:
         packed = codec.encode(x, split)
@@ -149,14 +170,102 @@ def measure_options(x: torch.Tensor, candidates, split=None, finish=None) -> Lis
 
 
 def _variance(packed, x) -> float:
-    q = getattr(packed, "hfc", None) or getattr(packed, "q", None)
-    if q is not None and getattr(q, "scale", None) is not None:
-        scale = q.scale.float()
-        if scale.numel() in (q.rows, 2 * q.rows):  # one range per row, or two (a split): mean over ranges
-            return float(scale.pow(2).mean() / 6)
-    if packed.kind == "bf16":
-        return float((x.float() - x.to(torch.bfloat16).float()).pow(2).mean())
+    """Mean squared error of one encode, measured (stochastic rounding's scale^2 f(1-f) per element is far
+    from its average scale^2/6 where values crowd at a range's end, as a ReLU output's do at 1 bit)."""
     return float((packed.decode().float() - x.float()).pow(2).mean())
+
+
+def probe_sensitivities(model: torch.nn.Module, run_forward, sites: Dict[str, "Site"],
+                        fused: Dict[str, Optional[str]]) -> Dict[str, List[float]]:
+    """Each site's measured sensitivities (GACT's approach, Liu et al. 2022, per tensor and per layer): the
+    squared relative error of each weighted layer's weight gradient when that site alone is held with a
+    reference encoding, divided by that encoding's mean squared error. One full-precision forward keeps its
+    graph; one exact backward, then one backward per site in which that site's saved tensor (and, for a batch
+    norm whose output a fused convolution rebuilds, that convolution's input, ``fused``: conv layer -> batch
+    norm layer) is replaced by its decode. Run with the method bypassed; costs a forward and 1 + len(sites)
+    backwards, and holds the full-precision activations of that step."""
+    modules = dict(model.named_modules())
+    weights = [m.weight for m in modules.values() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))
+               and isinstance(m.weight, torch.nn.Parameter) and m.weight.requires_grad]
+    entries, state = {}, {"current": None, "active": None, "decoded": None}
+    by_layer = {}
+    for key, site in sites.items():
+        if site.layer in modules:
+            by_layer.setdefault(site.layer, []).append(key)
+    bn_of = {conv: f"{bn}:bn" for conv, bn in fused.items() if bn is not None and f"{bn}:bn" in sites}
+
+    def pre_hook(name):
+        def hook(mod, args):
+            x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            state["current"], state["alpha"] = (name, x), None
+            if x is not None and isinstance(mod, torch.nn.modules.batchnorm._BatchNorm):
+                var, mean = torch.var_mean(x.detach().float(), dim=(0, 2, 3), unbiased=False)
+                alpha = torch.rsqrt(var + mod.eps)
+                state["alpha"] = alpha * mod.weight.detach().float() if mod.weight is not None else alpha
+        return hook
+
+    def post_hook(mod, args, out):
+        state["current"] = None
+
+    def pack(t):
+        name, x = state["current"] or (None, None)
+        if x is None or t.data_ptr() != x.data_ptr() or t.shape != x.shape:
+            return t
+        for key in by_layer.get(name, ()):
+            if key not in entries:
+                option = _reference_option(sites[key])
+                entries[key] = (t, option.codec.encode(t.detach()), state.get("alpha"))
+                return ("site", key, t)
+        if name in bn_of:
+            return ("fused", bn_of[name], t)
+        return t
+
+    def decoded(key):
+        if state["decoded"] is None:
+            x, packed, alpha = entries[key]
+            state["decoded"] = packed.decode().to(x.dtype)
+        return state["decoded"]
+
+    def unpack(obj):
+        if not isinstance(obj, tuple):
+            return obj
+        role, key, t = obj
+        if key != state["active"]:
+            return t
+        if role == "site":
+            return decoded(key)
+        x, _, alpha = entries[key]  # a fused convolution's input: mask * (its batch norm's output)
+        shift = (decoded(key).float() - x.float()) * alpha.view(1, -1, 1, 1)
+        return (t.float() + (t > 0) * shift).to(t.dtype)
+
+    handles = [modules[n].register_forward_pre_hook(pre_hook(n)) for n in set(by_layer) | set(bn_of)]
+    handles += [modules[n].register_forward_hook(post_hook) for n in set(by_layer) | set(bn_of)]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            _, loss = run_forward()
+        exact = torch.autograd.grad(loss, weights, retain_graph=True, allow_unused=True)
+        norms = [None if g is None else float(g.double().pow(2).sum()) for g in exact]
+        out = {}
+        for key in entries:
+            state["active"], state["decoded"] = key, None
+            grads = torch.autograd.grad(loss, weights, retain_graph=True, allow_unused=True)
+            x, packed, _ = entries[key]
+            variance = float((decoded(key).detach().float() - x.detach().float()).pow(2).mean())
+            errors = [float((g - e).double().pow(2).sum()) / n if g is not None and e is not None and n else 0.0
+                      for g, e, n in zip(grads, exact, norms)]
+            out[key] = [e / variance if variance > 0 else 0.0 for e in errors]
+        return out
+    finally:
+        for h in handles:
+            h.remove()
+        state.clear()
+        entries.clear()
+
+
+def _reference_option(site: "Site") -> Option:
+    """The probe's encoding: 2 bits where offered (the paper's), else the lossy option of most variance."""
+    lossy = [o for o in site.options if o.variance > 0 and o.name != "bf16"] or site.options
+    return next((o for o in lossy if o.name.startswith("2b")), max(lossy, key=lambda o: o.variance))
 
 
 def allocate(sites: Dict[str, Site], available: int) -> Dict[str, int]:
@@ -192,6 +301,16 @@ def allocate(sites: Dict[str, Site], available: int) -> Dict[str, int]:
         if hi - lo <= 1e-9 * hi:
             break
     return _upgrade(choice, sites, err, available - total(choice))
+
+
+def layer_errors(sites: Dict[str, Site], choice: Dict[str, int]) -> List[float]:
+    """Each weighted layer's predicted squared relative weight-gradient error under ``choice`` (measured
+    sensitivities times the chosen options' variances, summed over sites: independent rounding adds)."""
+    probed = [(s, choice[k]) for k, s in sites.items() if s.sensitivities is not None and k in choice]
+    if not probed:
+        return []
+    return [sum(s.sensitivities[l] * s.options[i].variance for s, i in probed)
+            for l in range(len(probed[0][0].sensitivities))]
 
 
 def _upgrade(choice, sites, err, left: int):

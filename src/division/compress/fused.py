@@ -20,13 +20,13 @@ class BnOutput:
     """What a training batch norm leaves for a following ReLU: its saved (compressed) input and the affine
     map it applied, out = y * alpha + beta per channel, in float32."""
 
-    __slots__ = ("saved", "alpha", "beta", "dtype")
+    __slots__ = ("saved", "alpha", "beta", "dtype", "layer")
 
     def __init__(self, saved, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], mean: torch.Tensor,
-                 invstd: torch.Tensor, dtype: torch.dtype):
+                 invstd: torch.Tensor, dtype: torch.dtype, layer: Optional[str] = None):
         alpha = invstd.float() if weight is None else invstd.float() * weight.detach().float()
         beta = -mean.float() * alpha if bias is None else bias.detach().float() - mean.float() * alpha
-        self.saved, self.alpha, self.beta, self.dtype = saved, alpha, beta, dtype
+        self.saved, self.alpha, self.beta, self.dtype, self.layer = saved, alpha, beta, dtype, layer
 
 
 class BnReluInput:

@@ -10,7 +10,7 @@ class _BatchNorm2dFn(torch.autograd.Function):
         ctx.eps = eps
         ctx.x_dtype = x.dtype
         ctx.save_for_backward(weight, bias, save_mean, save_invstd)
-        policy.note_bn_output(out, ctx.saved, weight, bias, save_mean, save_invstd)
+        policy.note_bn_output(out, ctx.saved, weight, bias, save_mean, save_invstd, layer)
         return out
 
     @staticmethod

@@ -57,6 +57,7 @@ class SavePolicy:
         self._cache: Dict[tuple, tuple] = {}
         self._masks: Dict[tuple, tuple] = {}
         self.records: List[SaveRecord] = []
+        self.fused: Dict[str, Optional[str]] = {}  # this forward's convolutions whose input a batch norm's rebuilds
         self.ids = TensorIds()
         self.enabled = True
 
@@ -71,6 +72,7 @@ class SavePolicy:
         self._links = {}
         self._pending = []
         self.records = []
+        self.fused = {}
         self.ids = TensorIds()
 
     def end_forward(self):
@@ -94,10 +96,10 @@ class SavePolicy:
             return None
         return entry[2]
 
-    def note_bn_output(self, out: torch.Tensor, saved: "Saved", weight, bias, mean, invstd):
+    def note_bn_output(self, out: torch.Tensor, saved: "Saved", weight, bias, mean, invstd, layer=None):
         """A training batch norm's output, for a ReLU that may follow (only with ``fuse_bn_relu``)."""
         if self.fuse_bn_relu:
-            self._link(out, BnOutput(saved, weight, bias, mean, invstd, out.dtype), out._version)
+            self._link(out, BnOutput(saved, weight, bias, mean, invstd, out.dtype, layer), out._version)
 
     def note_relu(self, x: torch.Tensor, bn: Optional[BnOutput], y: torch.Tensor, mask: BitMask, inplace: bool):
         """Link a ReLU output to the batch norm whose untouched output it consumed (``bn`` from
@@ -166,6 +168,7 @@ class SavePolicy:
             self.flush()
         fused = self._linked(x, BnReluInput) if kind == "conv" and self.fuse_bn_relu else None
         if fused is not None:
+            self.fused[layer] = fused.bn.layer
             self.records.append(SaveRecord(layer, kind, "bn-relu recompute", tuple(x.shape),
                                            x.numel() * x.element_size(), fp_key=self.ids(x), shared=True))
             return fused

@@ -1,5 +1,6 @@
 """Methods that keep compressed copies of activations through the saving policy (DIVISION, ActNN-style,
 BLPA, the per-channel ablation). They differ only in which codec keeps which tensor."""
+import time
 from abc import ABCMeta, abstractmethod
 from functools import partial
 
@@ -107,7 +108,7 @@ class Division(PolicyMethod):
                  layers=compress.LAYER_KINDS, stochastic: bool = True, backend: str = "auto",
                  fuse_bn_relu: bool = False, stat_dtype: str = "fp32", small_map_elems: int = 0,
                  small_map_group: int = 256, keep_input: bool = False, single_block_lfc: bool = True,
-                 compact_relu: bool = False, budget=None, budget_refresh: int = 0):
+                 compact_relu: bool = False, budget=None, budget_refresh: int = 0, budget_probe: bool = True):
         if not isinstance(single_block_lfc, bool):
             raise ValueError(f"single_block_lfc={single_block_lfc!r} is invalid; valid choices: [True, False]")
         plain = PerChannelCodec(hfc_bits, stochastic, min_numel, backend, stat_dtype)
@@ -123,16 +124,20 @@ class Division(PolicyMethod):
         self.notes = ["maps with 1x1 spatial size, fewer than min_numel elements, and 2-D inputs are held in "
                       "bf16; token tensors use the patch grid (prefix tokens in bf16) or pool along tokens"]
         self._init_budget(budget, budget_refresh, lfc_dtype, min_numel, stochastic, backend, stat_dtype,
-                          single_block_lfc)
+                          single_block_lfc, budget_probe)
 
     # --- method.budget: per-layer precision under a byte budget (division/budget.py) -------------------------
-    def _init_budget(self, budget, refresh, lfc_dtype, min_numel, stochastic, backend, stat_dtype, single_block_lfc):
+    def _init_budget(self, budget, refresh, lfc_dtype, min_numel, stochastic, backend, stat_dtype, single_block_lfc,
+                     budget_probe=True):
         from division import budget as budget_lib
         self.budget = None if budget in (None, "", "null") else budget_lib.parse_budget(budget)
+        if not isinstance(budget_probe, bool):
+            raise ValueError(f"budget_probe={budget_probe!r} is invalid; valid choices: [True, False]")
         if isinstance(refresh, bool) or not isinstance(refresh, int) or refresh < 0:
             raise ValueError(f"budget_refresh={refresh!r} is invalid; it must be an integer >= 0 (steps; 0: plan once)")
         self.budget_text, self.budget_refresh = budget, refresh
         self.plan, self._observer, self._fp_bytes, self._outside_bytes, self._forwards = None, None, None, 0, 0
+        self.budget_probe, self._sensitivity = budget_probe, {}
         self._candidates = lambda h, w: budget_lib.candidate_codecs(
             lambda bits, block: DivisionCodec(block, bits, lfc_dtype, min_numel, stochastic, backend, stat_dtype),
             lambda bits: PerChannelCodec(bits, stochastic, min_numel, backend, stat_dtype), single_block_lfc, h, w)
@@ -160,6 +165,11 @@ class Division(PolicyMethod):
         from division.budget import make_plan
         observer, self._observer = self._observer, None
         observer.close()
+        for key, site in observer.sites.items():  # measured before training; a refresh keeps them
+            measured = self._sensitivity.get(key)
+            # all zero where no weight gradient depends on the site in that step (a residual branch whose last
+            # batch norm starts at zero): the estimate from norms then, so that such sites still get bytes
+            site.sensitivities = measured if measured and any(measured) else None
         self.plan = make_plan(observer, records, self.budget, self._fp_bytes, self._outside_bytes)
 
     def calibrate(self, model: nn.Module, run_forward):
@@ -168,7 +178,7 @@ class Division(PolicyMethod):
         precision for the budget. A budget below the cheapest plan is an error naming the least feasible one."""
         if self.budget is None:
             return None
-        from division.budget import BudgetObserver
+        from division.budget import BudgetObserver, probe_sensitivities
         from division.methods.base import frozen_batchnorm_stats
         self._fp_bytes = self.fp_reference(model, run_forward).act_bytes
         devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
@@ -183,9 +193,17 @@ class Division(PolicyMethod):
                 with self.accounting(model) as acc:
                     _, loss = run_forward()
                 loss.backward()
-            records_total = sum({k: n for r in self.policy.records for k, n in r.held}.values())
+                del loss
+                self._observer.close()
+                records, fused = list(self.policy.records), dict(self.policy.fused)
+                if self.budget_probe:
+                    start = time.perf_counter()
+                    with self.bypassed():
+                        self._sensitivity = probe_sensitivities(model, run_forward, self._observer.sites, fused)
+                    self._observer.seconds += time.perf_counter() - start
+            records_total = sum({k: n for r in records for k, n in r.held}.values())
             self._outside_bytes = max(0, acc.report.held_bytes - records_total)
-            self._finish_plan(self.policy.records)
+            self._finish_plan(records)
         finally:
             if self._observer is not None:
                 self._observer.close()
