@@ -172,7 +172,11 @@ def measure_options(x: torch.Tensor, candidates, split=None, finish=None) -> Lis
 def _variance(packed, x) -> float:
     """Mean squared error of one encode, measured (stochastic rounding's scale^2 f(1-f) per element is far
     from its average scale^2/6 where values crowd at a range's end, as a ReLU output's do at 1 bit)."""
-    return float((packed.decode().float() - x.float()).pow(2).mean())
+    return _mse(packed.decode(), x)
+
+
+def _mse(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().float() - b.detach().float()).pow(2).mean())
 
 
 def probe_sensitivities(model: torch.nn.Module, run_forward, sites: Dict[str, "Site"],
@@ -222,7 +226,7 @@ def probe_sensitivities(model: torch.nn.Module, run_forward, sites: Dict[str, "S
 
     def decoded(key):
         if state["decoded"] is None:
-            x, packed, alpha = entries[key]
+            x, packed, _ = entries[key]
             state["decoded"] = packed.decode().to(x.dtype)
         return state["decoded"]
 
@@ -238,8 +242,9 @@ def probe_sensitivities(model: torch.nn.Module, run_forward, sites: Dict[str, "S
         shift = (decoded(key).float() - x.float()) * alpha.view(1, -1, 1, 1)
         return (t.float() + (t > 0) * shift).to(t.dtype)
 
-    handles = [modules[n].register_forward_pre_hook(pre_hook(n)) for n in set(by_layer) | set(bn_of)]
-    handles += [modules[n].register_forward_hook(post_hook) for n in set(by_layer) | set(bn_of)]
+    hooked = set(by_layer) | set(bn_of)
+    handles = [modules[n].register_forward_pre_hook(pre_hook(n)) for n in hooked]
+    handles += [modules[n].register_forward_hook(post_hook) for n in hooked]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             _, loss = run_forward()
@@ -249,8 +254,7 @@ def probe_sensitivities(model: torch.nn.Module, run_forward, sites: Dict[str, "S
         for key in entries:
             state["active"], state["decoded"] = key, None
             grads = torch.autograd.grad(loss, weights, retain_graph=True, allow_unused=True)
-            x, packed, _ = entries[key]
-            variance = float((decoded(key).detach().float() - x.detach().float()).pow(2).mean())
+            variance = _mse(decoded(key), entries[key][0])
             errors = [float((g - e).double().pow(2).sum()) / n if g is not None and e is not None and n else 0.0
                       for g, e, n in zip(grads, exact, norms)]
             out[key] = [e / variance if variance > 0 else 0.0 for e in errors]
