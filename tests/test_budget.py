@@ -181,3 +181,31 @@ def test_probe_or_norms_by_choice():
     assert all(s.sensitivities is None for s in plan.sites.values()) and plan.planned_bytes <= plan.budget_bytes
     with pytest.raises(ValueError, match="budget_probe"):
         build({**load_config("division_plus"), "budget": "12x", "budget_probe": "yes"})
+
+
+def test_groups_follow_a_maps_local_spread():
+    """A map whose halves differ 10^4-fold in scale: one range per map spends every level on the loud half,
+    a range per 256 elements gives the quiet half its own, so at no more bytes the groups' error is a small
+    fraction of the per-map codes' (the reason groups are on the budget's menu)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 32, 32)
+    x[:, :, 16:] *= 1e-4
+    method = build({**load_config("division_plus"), "budget": "12x"})
+    options = {o.name: o for o in budget_lib.measure_options(x, method._candidates(32, 32))}
+    assert {f"{b}b/G256" for b in budget_lib.BITS} <= set(options)
+    groups, maps = options["2b/G256"], options["2b/B16"]
+    assert groups.nbytes <= options["2b/B8"].nbytes
+    quiet = x[:, :, 16:]
+    assert groups.variance < 0.6 * maps.variance  # the loud half alone: same levels per group as per map
+    decoded = groups.codec.encode(x).decode()[:, :, 16:]
+    assert (decoded - quiet).abs().max() <= (quiet.amax() - quiet.amin())  # within its own range, not the map's
+
+
+def test_groups_on_the_menu_by_choice():
+    """budget_groups=false keeps the plan to DIVISION's settings; by default every 4-D site may take groups."""
+    *_, plan = _calibrated("division_plus", "16x", budget_groups=False)[:3]
+    assert not any("/G" in o.name for s in plan.sites.values() for o in s.options)
+    *_, plan = _calibrated("division_plus", "16x")[:3]
+    assert all(any(o.name == "2b/G256" for o in s.options) for s in plan.sites.values())
+    with pytest.raises(ValueError, match="budget_groups"):
+        build({**load_config("division_plus"), "budget": "12x", "budget_groups": 1})

@@ -5,8 +5,8 @@ How it works (the DIVISION-family methods, ``methods/compressed.py``):
 
 1. **Observe** one training step (``Division.calibrate`` before training, then every ``budget_refresh`` steps
    during it): for every 4-D activation a layer saves (a *site*), each candidate setting is encoded once
-   (HFC bits 1/2/4/8 x LFC blocks 8/16, or a bf16 copy) for its exact held bytes, and decoded for its mean
-   squared error; the step's backward gives each layer's
+   (HFC bits 1/2/4/8 x LFC blocks 8/16, ActNN-style groups of 256 at the same bits, or a bf16 copy) for its
+   exact held bytes, and decoded for its mean squared error; the step's backward gives each layer's
    output-gradient norm and weight-gradient norm.
 2. **Estimate** each candidate's relative weight-gradient error. By default it is measured
    (``probe_sensitivities``, as GACT does): with the method bypassed, one full-precision forward, then one
@@ -40,6 +40,7 @@ import torch
 
 BITS = (1, 2, 4, 8)
 BLOCKS = (8, 16)
+GROUPS = (256,)  # ActNN-style group sizes the budget may choose (ActNN's own default)
 UNITS = {"B": 1, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9}
 
 
@@ -131,9 +132,11 @@ def site_key(layer: str, kind: str) -> str:
     return f"{layer}:{kind}"
 
 
-def candidate_codecs(make_division, make_plain, single_block_lfc: bool, h: int, w: int):
+def candidate_codecs(make_division, make_plain, single_block_lfc: bool, h: int, w: int, make_groups=None):
     """(name, codec) for every setting a 4-D site may take; maps one block covers use the plain quantizer
-    where ``single_block_lfc`` is off (their LFC is the map mean, which the minimum absorbs)."""
+    where ``single_block_lfc`` is off (their LFC is the map mean, which the minimum absorbs). With
+    ``make_groups(bits, group)``, ActNN-style groups too (``2b/G256``): a range per ``group`` contiguous
+    elements follows a map's local spread, which a per-map range does not, so at equal bytes it can err less."""
     out = []
     for bits in BITS:
         for block in BLOCKS:
@@ -144,6 +147,8 @@ def candidate_codecs(make_division, make_plain, single_block_lfc: bool, h: int, 
                 out.append((f"{bits}b", make_plain(bits)))
             else:
                 out.append((f"{bits}b/B{block}", make_division(bits, block)))
+        if make_groups is not None:
+            out.extend((f"{bits}b/G{group}", make_groups(bits, group)) for group in GROUPS)
     out.append(("bf16", _Bf16()))
     return out
 

@@ -108,7 +108,8 @@ class Division(PolicyMethod):
                  layers=compress.LAYER_KINDS, stochastic: bool = True, backend: str = "auto",
                  fuse_bn_relu: bool = False, stat_dtype: str = "fp32", small_map_elems: int = 0,
                  small_map_group: int = 256, keep_input: bool = False, single_block_lfc: bool = True,
-                 compact_relu: bool = False, budget=None, budget_refresh: int = 0, budget_probe: bool = True):
+                 compact_relu: bool = False, budget=None, budget_refresh: int = 0, budget_probe: bool = True,
+                 budget_groups: bool = True):
         if not isinstance(single_block_lfc, bool):
             raise ValueError(f"single_block_lfc={single_block_lfc!r} is invalid; valid choices: [True, False]")
         plain = PerChannelCodec(hfc_bits, stochastic, min_numel, backend, stat_dtype)
@@ -124,15 +125,17 @@ class Division(PolicyMethod):
         self.notes = ["maps with 1x1 spatial size, fewer than min_numel elements, and 2-D inputs are held in "
                       "bf16; token tensors use the patch grid (prefix tokens in bf16) or pool along tokens"]
         self._init_budget(budget, budget_refresh, lfc_dtype, min_numel, stochastic, backend, stat_dtype,
-                          single_block_lfc, budget_probe)
+                          single_block_lfc, budget_probe, budget_groups)
 
     # --- method.budget: per-layer precision under a byte budget (division/budget.py) -------------------------
     def _init_budget(self, budget, refresh, lfc_dtype, min_numel, stochastic, backend, stat_dtype, single_block_lfc,
-                     budget_probe=True):
+                     budget_probe=True, budget_groups=True):
         from division import budget as budget_lib
         self.budget = None if budget in (None, "", "null") else budget_lib.parse_budget(budget)
         if not isinstance(budget_probe, bool):
             raise ValueError(f"budget_probe={budget_probe!r} is invalid; valid choices: [True, False]")
+        if not isinstance(budget_groups, bool):
+            raise ValueError(f"budget_groups={budget_groups!r} is invalid; valid choices: [True, False]")
         if isinstance(refresh, bool) or not isinstance(refresh, int) or refresh < 0:
             raise ValueError(f"budget_refresh={refresh!r} is invalid; it must be an integer >= 0 (steps; 0: plan once)")
         self.budget_text, self.budget_refresh = budget, refresh
@@ -140,11 +143,12 @@ class Division(PolicyMethod):
         self.budget_probe, self._sensitivity = budget_probe, {}
         self._candidates = lambda h, w: budget_lib.candidate_codecs(
             lambda bits, block: DivisionCodec(block, bits, lfc_dtype, min_numel, stochastic, backend, stat_dtype),
-            lambda bits: PerChannelCodec(bits, stochastic, min_numel, backend, stat_dtype), single_block_lfc, h, w)
+            lambda bits: PerChannelCodec(bits, stochastic, min_numel, backend, stat_dtype), single_block_lfc, h, w,
+            (lambda bits, group: GroupwiseCodec(bits, group, stochastic, backend, stat_dtype)) if budget_groups else None)
         if self.budget is not None:
             self.policy.on_begin = self._on_forward
-            self.notes.append(f"method.budget={budget}: each 4-D activation's HFC bits and block size (or a bf16 "
-                              "copy) chosen per layer to fit the budget (method_info.budget_plan)")
+            self.notes.append(f"method.budget={budget}: each 4-D activation's HFC bits and block size (or groups, "
+                              "or a bf16 copy) chosen per layer to fit the budget (method_info.budget_plan)")
 
     def _on_forward(self, training: bool):
         """Before each training forward: plan from the step observed last (its backward is done), and observe
