@@ -132,19 +132,20 @@ class Division(PolicyMethod):
                      budget_probe=True, budget_groups=True):
         from division import budget as budget_lib
         self.budget = None if budget in (None, "", "null") else budget_lib.parse_budget(budget)
-        if not isinstance(budget_probe, bool):
-            raise ValueError(f"budget_probe={budget_probe!r} is invalid; valid choices: [True, False]")
-        if not isinstance(budget_groups, bool):
-            raise ValueError(f"budget_groups={budget_groups!r} is invalid; valid choices: [True, False]")
+        for key, value in (("budget_probe", budget_probe), ("budget_groups", budget_groups)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{key}={value!r} is invalid; valid choices: [True, False]")
         if isinstance(refresh, bool) or not isinstance(refresh, int) or refresh < 0:
             raise ValueError(f"budget_refresh={refresh!r} is invalid; it must be an integer >= 0 (steps; 0: plan once)")
         self.budget_text, self.budget_refresh = budget, refresh
         self.plan, self._observer, self._fp_bytes, self._outside_bytes, self._forwards = None, None, None, 0, 0
         self.budget_probe, self._sensitivity = budget_probe, {}
+        make_groups = (lambda bits, group: GroupwiseCodec(bits, group, stochastic, backend, stat_dtype)) \
+            if budget_groups else None
         self._candidates = lambda h, w: budget_lib.candidate_codecs(
             lambda bits, block: DivisionCodec(block, bits, lfc_dtype, min_numel, stochastic, backend, stat_dtype),
             lambda bits: PerChannelCodec(bits, stochastic, min_numel, backend, stat_dtype), single_block_lfc, h, w,
-            (lambda bits, group: GroupwiseCodec(bits, group, stochastic, backend, stat_dtype)) if budget_groups else None)
+            make_groups)
         if self.budget is not None:
             self.policy.on_begin = self._on_forward
             self.notes.append(f"method.budget={budget}: each 4-D activation's HFC bits and block size (or groups, "
