@@ -94,3 +94,13 @@ def test_library_method_loading_agrees_with_hydra():
         assert load_config(name) == OmegaConf.to_container(compose([f"method={name}"]).method, resolve=True), name
     hydra_cfg = compose(["method=division_plus", "method.hfc_bits=4", "method.backend=reference"]).method
     assert load_config("division_plus:hfc_bits=4,backend=reference") == OmegaConf.to_container(hydra_cfg)
+
+
+def test_method_spec_with_two_colons_names_the_separator():
+    """``name:a=1:b=2`` once reached the method as ``a='1:b=2'`` and failed far away with a message about the
+    value; options go after one ':' separated by ','."""
+    from division.methods import load_config
+    with pytest.raises(ValueError, match=r"separated by ','.*division_plus:budget=20x:budget_groups=false"):
+        load_config("division_plus:budget=20x:budget_groups=false")
+    cfg = load_config("division_plus:budget=20x,budget_groups=false")
+    assert (cfg["budget"], cfg["budget_groups"]) == ("20x", False)

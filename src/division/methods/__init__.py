@@ -41,6 +41,8 @@ def load_config(spec: str) -> dict:
     neither Hydra nor OmegaConf (a test checks both agree on every method)."""
     import yaml
     name, _, opts = spec.partition(":")
+    if ":" in opts:
+        raise ValueError(f"method options are separated by ',' after one ':' (name:key=value,key=value); got {spec!r}")
     if name not in method_names():
         raise ValueError(f"unknown method {name!r}; valid choices: {method_names()}")
 
