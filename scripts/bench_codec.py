@@ -13,6 +13,10 @@ makes it in training), each beside the same copy.
 
     python scripts/bench_codec.py --batch 8 --repeats 5
     python scripts/bench_codec.py --relu-compact
+
+``--triton-sweep`` (a GPU, or Triton's interpreter) also times the HFC kernels alone (the LFC given) under
+several ways of cutting them into programs (``triton_codecs.Launch``: elements per program, rows per program
+at most, warps), so that a device run chooses the defaults by measurement.
 """
 import argparse
 import statistics
@@ -25,9 +29,13 @@ from division import peak, results
 from division.codecs import BlpaCodec, DivisionCodec
 from division.codecs.compact import compact_relu
 from division.codecs.exact import BitMask
+from division.kernels import triton_codecs
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SHAPES = [(256, 56, 56), (64, 112, 112), (1024, 14, 14), (2048, 7, 7)]  # channels, height, width
+# One row per program (the kernels before rows shared programs), the defaults, more warps, smaller programs.
+LAUNCHES = [triton_codecs.Launch(4096, 1, 4), triton_codecs.Launch(4096, 64, 4), triton_codecs.Launch(4096, 64, 8),
+            triton_codecs.Launch(1024, 64, 4)]
 
 
 def _sync(device: torch.device):
@@ -76,10 +84,39 @@ def parse(argv=None):
     p.add_argument("--device", default="cpu", help="cpu (compiled kernel vs reference) or cuda (Triton vs reference)")
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="the activations' dtype (fp16 as under "
                    "fp16 autocast on a GPU)")
+    p.add_argument("--triton-sweep", action="store_true", help="also time the Triton HFC kernels under each "
+                   "launch in LAUNCHES (tile, rows per program, warps)")
     args = p.parse_args(argv)
     if torch.device(args.device).type not in ("cpu", "cuda"):
         p.error(f"--device {args.device!r} is invalid; valid choices: cpu, cuda")
+    if args.triton_sweep and not triton_codecs.available(torch.device(args.device)):
+        p.error(f"--triton-sweep needs Triton on --device {args.device!r} (a GPU, or TRITON_INTERPRET=1)")
     return args
+
+
+def launch_sweep(x: torch.Tensor, bits: int, block: int, repeats: int, copy: float):
+    """Rows timing the HFC kernels alone (the LFC made once, as the codec makes it) for each launch."""
+    n, c, h, w = x.shape
+    block_hw = (min(block, h), min(block, w))
+    lfc = DivisionCodec(block, bits, backend="triton")._lfc(x, block_hw)
+    rows = []
+    for launch in LAUNCHES:
+        def encode():
+            return triton_codecs.encode_rows(x.reshape(n * c, h * w), n * c, h * w, bits, True, lfc, (h, w),
+                                             block_hw, launch=launch)
+        packed, mn, scale, bad = encode()
+        enc = timed(encode, repeats, x.device)
+        dec = timed(lambda: triton_codecs.decode_rows(packed, mn, scale, bad, n * c, h * w, bits, lfc, (h, w),
+                                                      block_hw, dtype=x.dtype, launch=launch), repeats, x.device)
+        rows.append({"codec": "hfc", "shape": list(x.shape), "backend": "triton",
+                     "launch": {"tile": launch.cap(), "max_rows": launch.rows_cap(), "num_warps": launch.num_warps},
+                     "encode_ms": enc * 1e3, "decode_ms": dec * 1e3,
+                     "encode_vs_copy": copy / enc, "decode_vs_copy": copy / dec})
+        r = rows[-1]
+        print(f"{'hfc':>8} {str(tuple(x.shape)):>18} tile {launch.cap():5d} rows<={launch.rows_cap():3d} "
+              f"warps {launch.num_warps}: encode {r['encode_ms']:8.3f} ms decode {r['decode_ms']:8.3f} ms "
+              f"enc/copy {r['encode_vs_copy']:6.3f} dec/copy {r['decode_vs_copy']:6.3f}", flush=True)
+    return rows
 
 
 def main(argv=None):
@@ -131,10 +168,13 @@ def main(argv=None):
                 print(f"{name:>8} {str(tuple(r['shape'])):>18} {r['backend']:>9} {r['encode_ms']:10.1f} "
                       f"{r['encode_gelem_s']:8.2f} {r['decode_ms']:10.1f} {r['decode_gelem_s']:8.2f} "
                       f"{r['encode_vs_copy']:8.2f} {r['decode_vs_copy']:8.2f}", flush=True)
+        if args.triton_sweep:
+            rows.extend(launch_sweep(x, args.bits, args.block, args.repeats, copy))
     results.write_json(Path(out), {"status": "ok", "threads": torch.get_num_threads(), "bits": args.bits,
                                    "dtype": args.dtype, "batch": args.batch,
                                    "block": args.block, "repeats": args.repeats, "malloc": malloc,
-                                   "relu_compact": args.relu_compact, "rows": rows,
+                                   "relu_compact": args.relu_compact, "triton_sweep": args.triton_sweep,
+                                   "rows": rows,
                                    **results.provenance(device)})
     print(f"wrote {results.relative_to_root(out)}")
 

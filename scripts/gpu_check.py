@@ -48,7 +48,7 @@ def steps(tag: str, force: bool = False):
         ("paired", bench + ["--batches", "256", "--methods", "fp,division,division_plus", "--paired", "--steps", "12",
                             "--warmup", "3"], 60),
         ("codec", [py, "scripts/bench_codec.py", "--device", "cuda", "--dtype", "fp16", "--batch", "64",
-                   "--repeats", "20"], 45),
+                   "--repeats", "20", "--triton-sweep"], 90),
         ("max batch", [py, "scripts/max_batch.py", "--model", "resnet50", "--methods", "fp,division", "--amp", "fp16",
                        "--budget", "16GiB", "--device", "cuda", "--start", "64", "--limit", "2048",
                        "--out", f"results/max_batch/gpu_{tag}"], 120),
@@ -131,7 +131,8 @@ def summary(tag: str, done) -> str:
     if codec.exists():
         for row in json.loads(codec.read_text())["rows"]:
             if "encode_vs_copy" in row:
-                lines.append(f"codec {row['codec']:8s} {row['backend']:9s} {row['shape']} enc/copy "
+                launch = " ".join(f"{k} {v}" for k, v in row.get("launch", {}).items())
+                lines.append(f"codec {row['codec']:8s} {row['backend']:9s} {row['shape']} {launch} enc/copy "
                              f"{row['encode_vs_copy']:.2f} dec/copy {row['decode_vs_copy']:.2f}")
     for f in sorted((ROOT / "results" / "max_batch" / f"gpu_{tag}").glob("*.json")):
         r = json.loads(f.read_text())

@@ -1,5 +1,6 @@
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -288,6 +289,24 @@ def test_codec_benchmark_writes_every_row(tmp_path, compact):
     timed = [r for r in rec["rows"] if r["codec"] != "copy_"]
     assert all(r["encode_ms"] > 0 and r["decode_ms"] > 0 for r in timed)
     assert {r["backend"] for r in timed} >= {"reference"}
+
+
+def test_codec_benchmark_sweeps_triton_launches(tmp_path):
+    """--triton-sweep (Triton's interpreter here) adds a row per launch and shape, each naming its launch, so
+    that a device run's file says which way of cutting the kernels into programs was fastest."""
+    from division.kernels import triton_codecs
+    if triton_codecs.triton is None:
+        pytest.skip("Triton is not installed")
+    out = tmp_path / "codec.json"
+    cmd = [sys.executable, "scripts/bench_codec.py", "--batch", "2", "--repeats", "1", "--shapes", "4x7x7",
+           "--triton-sweep", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["codec"] == "hfc"]
+    launches = [(r["launch"]["tile"], r["launch"]["max_rows"], r["launch"]["num_warps"]) for r in rows]
+    assert launches == [(4096, 1, 4), (4096, 64, 4), (4096, 64, 8), (1024, 64, 4)]
+    assert all(r["encode_ms"] > 0 and r["decode_ms"] > 0 and r["shape"] == [2, 4, 7, 7] for r in rows)
 
 
 def test_codec_benchmark_rejects_bad_shapes():

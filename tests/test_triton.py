@@ -286,3 +286,37 @@ def test_triton_quantized_relu_matches_reference(n, bits):
     assert mask.backend == "triton"
     assert torch.equal(y.isnan(), expected.isnan()) and torch.equal(y.nan_to_num(), expected.nan_to_num())
     assert torch.equal(mask.packed, BitMask.encode((x > 0) & (x < 1)).packed)
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_triton_rows_sharing_a_program_change_nothing(stochastic, monkeypatch):
+    """Short rows share a program (up to DEFAULT_TILE elements): statistics, codes, flags and decodes are
+    those of one row per program, bit for bit, with stochastic rounding too (each row draws from its own
+    seed and positions). 37 maps of 7x7 per sample: the rows do not fill the last program, and 49-element
+    rows are not whole bytes at 2 bits; one map holds a NaN."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 37, 7, 7, device=DEVICE)
+    x[1, 5, 3, 3] = float("nan")
+    split = BitMask.encode(x * 2 + 0.3 > 0)
+    assert triton_codecs.rows_per_program(3 * 37, 49, triton_codecs.tile_size(49, 4)) == 64
+
+    def run():
+        out = []
+        for codec, s in ((DivisionCodec(block_size=4, backend="triton", stochastic=stochastic), None),
+                         (DivisionCodec(block_size=4, backend="triton", stat_dtype="bf16",
+                                        stochastic=stochastic), split),
+                         (PerChannelCodec(bits=4, backend="triton"), None)):
+            codec.stochastic = stochastic
+            torch.manual_seed(1)
+            packed = codec.encode(x, s) if s is not None else codec.encode(x)
+            out.append([t.clone() for t in packed.tensors() if t is not None] + [packed.decode()])
+        return out
+
+    shared = run()
+    monkeypatch.setattr(triton_codecs, "MAX_ROWS", 1)
+    alone = run()
+    for a_parts, b_parts in zip(shared, alone, strict=True):
+        for a, b in zip(a_parts, b_parts, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(shared[0][-1][1, 5]).all() and not torch.isnan(shared[0][-1][0]).any()

@@ -7,7 +7,8 @@ little end first over the flattened tensor, 8/bits codes per byte.
 
 Tiling: a row is cut into tiles of at most ``DEFAULT_TILE`` elements, one program per (row, tile), so that
 rows of any length run (Triton caps a block at 2^20 elements, and tiles past about 16K elements spill
-registers). A row that fits one tile is encoded by one fused program (statistics and codes in registers); a
+registers). Rows that fit one tile are encoded by fused programs (statistics and codes in registers), several
+short rows to a program (up to a tile's elements: a 7x7 map alone would leave most of a program idle); a
 longer row takes two passes: per-tile minima and maxima, reduced per row on the device, then the codes.
 Offsets into tensors are 64-bit, so tensors past 2^31 elements address correctly.
 
@@ -24,6 +25,8 @@ With ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors; the tests use t
 the reference on machines without a GPU (with a small ``DEFAULT_TILE`` to exercise multi-tile rows).
 """
 import os
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -35,6 +38,26 @@ except ImportError:  # triton ships with CUDA builds of torch; CPU-only installs
 
 # Elements per program along a row; tests lower it (monkeypatch) to run multi-tile rows on small tensors.
 DEFAULT_TILE = 4096
+# Short rows share a program, up to DEFAULT_TILE elements (and MAX_ROWS rows) in all: one program per 7x7 or
+# 14x14 map meant hundreds of thousands of tiny programs per ResNet-50 layer at batch 256 (the H200 profile:
+# 0.54 ms per encode, 28 % of the step). Tests set MAX_ROWS = 1 to compare against one row per program.
+MAX_ROWS = 64
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How the codec kernels are cut into programs: elements per program (``tile``, default DEFAULT_TILE),
+    rows per program at most (``max_rows``, default MAX_ROWS) and warps per program. The codecs use the
+    defaults; ``scripts/bench_codec.py --triton-sweep`` times others on a GPU to choose them by measurement."""
+    tile: Optional[int] = None
+    max_rows: Optional[int] = None
+    num_warps: int = 4
+
+    def cap(self) -> int:
+        return self.tile or DEFAULT_TILE
+
+    def rows_cap(self) -> int:
+        return self.max_rows or MAX_ROWS
 MASK_BLOCK = 1024
 
 
@@ -64,15 +87,15 @@ if triton is not None:
 
     @triton.jit
     def _min_max(x, chosen):
-        """Minimum and maximum of the chosen elements of a 2-D tile (+inf, -inf when none)."""
-        mn = tl.min(tl.min(tl.where(chosen, x, float("inf")), axis=1), axis=0)
-        mx = tl.max(tl.max(tl.where(chosen, x, -float("inf")), axis=1), axis=0)
+        """Per row of a (ROWS, ., .) tile: minimum and maximum of the chosen elements (+inf, -inf when none)."""
+        mn = tl.min(tl.min(tl.where(chosen, x, float("inf")), axis=2), axis=1)
+        mx = tl.max(tl.max(tl.where(chosen, x, -float("inf")), axis=2), axis=1)
         return mn, mx
 
     @triton.jit
     def _range(x, chosen, levels, STAT_BF16: tl.constexpr):
-        """Minimum and scale of the chosen elements (0, 0 when none), bf16-rounded outward if asked: the
-        reference's arithmetic (``bf16_outward``, IEEE division)."""
+        """Per row: minimum and scale of the chosen elements (0, 0 when none), bf16-rounded outward if asked:
+        the reference's arithmetic (``bf16_outward``, IEEE division)."""
         mn, mx = _min_max(x, chosen)
         levels = tl.full((), levels, tl.float32)
         empty = mn > mx
@@ -86,37 +109,44 @@ if triton is not None:
         return mn, scale
 
     @triton.jit
-    def _load_tile(x_ptr, lfc_ptr, row, start, row_len, W: tl.constexpr, WB: tl.constexpr, BH: tl.constexpr,
-                   BW: tl.constexpr, lfc_row,
+    def _row_ids(n_rows, ROWS: tl.constexpr):
+        """This program's rows (int64, shape (ROWS,)) and which of them exist."""
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        return rows, rows < n_rows
+
+    @triton.jit
+    def _load_tile(x_ptr, lfc_ptr, rows, row_ok, start, row_len, W: tl.constexpr, WB: tl.constexpr,
+                   BH: tl.constexpr, BW: tl.constexpr, lfc_row,
                    PER: tl.constexpr, TILE: tl.constexpr, HAS_LFC: tl.constexpr):
-        """A tile of one row as a (TILE/PER, PER) fp32 block (the PER codes of a byte in one line), the LFC
-        subtracted, non-finite elements zeroed; with its in-row offsets, bounds mask and a NaN/Inf flag."""
-        offs = start + tl.arange(0, TILE // PER)[:, None] * PER + tl.arange(0, PER)[None, :]
-        inside = offs < row_len
-        base = row.to(tl.int64) * row_len
-        x = tl.load(x_ptr + base + offs, mask=inside, other=0.0).to(tl.float32)
+        """The same tile of each of ``rows`` as a (ROWS, TILE/PER, PER) fp32 block (the PER codes of a byte in
+        one line), the LFC subtracted, non-finite elements zeroed; with the in-row offsets, bounds mask and a
+        NaN/Inf flag per row."""
+        offs = start + tl.arange(0, TILE // PER)[None, :, None] * PER + tl.arange(0, PER)[None, None, :]
+        r3 = rows[:, None, None]
+        inside = (offs < row_len) & row_ok[:, None, None]
+        x = tl.load(x_ptr + r3 * row_len + offs, mask=inside, other=0.0).to(tl.float32)
         if HAS_LFC:
             block = (offs // W // BH) * WB + (offs % W) // BW
-            low = tl.load(lfc_ptr + row.to(tl.int64) * lfc_row + block, mask=inside, other=0.0).to(tl.float32)
+            low = tl.load(lfc_ptr + r3 * lfc_row + block, mask=inside, other=0.0).to(tl.float32)
             x = x - low
         finite = (x == x) & (tl.abs(x) < float("inf"))
-        bad = tl.max(tl.max(tl.where(inside & ~finite, 1, 0), axis=1), axis=0)
+        bad = tl.max(tl.max(tl.where(inside & ~finite, 1, 0), axis=2), axis=1)
         return tl.where(finite, x, 0.0), offs, inside, bad
 
     @triton.jit
-    def _split_side(split_ptr, row, row_len, offs, inside):
+    def _split_side(split_ptr, rows3, row_len, offs, inside):
         """The split mask's bit for each element (1 = set), as int32."""
-        flat = row.to(tl.int64) * row_len + offs
+        flat = rows3 * row_len + offs
         return (tl.load(split_ptr + flat // 8, mask=inside, other=0).to(tl.int32) >> (flat % 8).to(tl.int32)) & 1
 
     @triton.jit
-    def _uniform_tile(seed, start, PER: tl.constexpr, TILE: tl.constexpr):
-        """Uniform numbers in [0, 1) for in-row positions start .. start + TILE - 1, as a (TILE/PER, PER) block:
-        one Philox call gives four, so position p takes one of the four outputs at counter p // 4 (a quarter of
-        the random-number arithmetic of one call per element; the numbers depend on the position alone, so any
-        tiling draws the same)."""
-        r0, r1, r2, r3 = tl.randint4x(seed, start // 4 + tl.arange(0, TILE // 4))
-        u = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (TILE // PER, PER))
+    def _uniform_tile(seeds, start, PER: tl.constexpr, TILE: tl.constexpr, ROWS: tl.constexpr):
+        """Uniform numbers in [0, 1) for in-row positions start .. start + TILE - 1 of each row (its own seed),
+        as a (ROWS, TILE/PER, PER) block: one Philox call gives four, so position p takes one of the four
+        outputs at counter p // 4 (a quarter of the random-number arithmetic of one call per element; the
+        numbers depend on the seed and position alone, so any tiling and any rows per program draw the same)."""
+        r0, r1, r2, r3 = tl.randint4x(seeds[:, None], start // 4 + tl.arange(0, TILE // 4)[None, :])
+        u = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (ROWS, TILE // PER, PER))
         return tl.random.uint_to_uniform_float(u)
 
     @triton.jit
@@ -128,18 +158,19 @@ if triton is not None:
         return tl.where(frac > 0.5, low + 1.0, tl.where(frac < 0.5, low, low + odd))
 
     @triton.jit
-    def _tile_stats(x_ptr, lfc_ptr, split_ptr, pmin_ptr, pmax_ptr, pbad_ptr, row_len,
+    def _tile_stats(x_ptr, lfc_ptr, split_ptr, pmin_ptr, pmax_ptr, pbad_ptr, n_rows, row_len,
                     W: tl.constexpr, WB: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, lfc_row,
                     tiles, PER: tl.constexpr, TILE: tl.constexpr, HAS_LFC: tl.constexpr, SPLIT: tl.constexpr):
-        """Pass 1 of a multi-tile row: this tile's minimum and maximum (per side with a split), and its flag."""
-        row = tl.program_id(0)
+        """Pass 1 of a multi-tile row (one row per program): this tile's minimum and maximum (per side with a
+        split), and its flag."""
+        rows, row_ok = _row_ids(n_rows, 1)
         tile = tl.program_id(1)
-        x, offs, inside, bad = _load_tile(x_ptr, lfc_ptr, row, tile * TILE, row_len, W, WB, BH, BW, lfc_row,
-                                          PER, TILE, HAS_LFC)
-        at = row.to(tl.int64) * tiles + tile
+        x, offs, inside, bad = _load_tile(x_ptr, lfc_ptr, rows, row_ok, tile * TILE, row_len, W, WB, BH, BW,
+                                          lfc_row, PER, TILE, HAS_LFC)
+        at = rows * tiles + tile
         tl.store(pbad_ptr + at, bad.to(tl.int8))
         if SPLIT:
-            side = _split_side(split_ptr, row, row_len, offs, inside) != 0
+            side = _split_side(split_ptr, rows[:, None, None], row_len, offs, inside) != 0
             mn0, mx0 = _min_max(x, inside & ~side)
             mn1, mx1 = _min_max(x, inside & side)
             tl.store(pmin_ptr + 2 * at, mn0)
@@ -153,88 +184,93 @@ if triton is not None:
 
     @triton.jit
     def _encode_tiles(x_ptr, lfc_ptr, packed_ptr, codes_ptr, min_ptr, scale_ptr, bad_ptr, split_ptr, seed,
-                      row_len, W: tl.constexpr, WB: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, lfc_row,
-                      tiles,
-                      BITS: tl.constexpr, PER: tl.constexpr, TILE: tl.constexpr, HAS_LFC: tl.constexpr,
-                      STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr, STATS: tl.constexpr,
-                      SPLIT: tl.constexpr, STAT_BF16: tl.constexpr):
-        """Codes of one tile. STATS: 0 = the row is this one tile: compute its statistics (and flag) here;
-        1 = read the row's statistics (pass 1 made them, and the flags); 2 = one range for every row, in
+                      n_rows, row_len, W: tl.constexpr, WB: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
+                      lfc_row, tiles,
+                      BITS: tl.constexpr, PER: tl.constexpr, TILE: tl.constexpr, ROWS: tl.constexpr,
+                      HAS_LFC: tl.constexpr, STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr,
+                      STATS: tl.constexpr, SPLIT: tl.constexpr, STAT_BF16: tl.constexpr):
+        """Codes of one tile of ROWS rows (ROWS > 1 only for rows of one tile: many short rows per program
+        instead of one program each). STATS: 0 = each row is this one tile: compute its statistics (and flag)
+        here; 1 = read the row's statistics (pass 1 made them, and the flags); 2 = one range for every row, in
         element 0. The flag goes to bad[row, tile] (one writer each), reduced over tiles by the caller."""
-        row = tl.program_id(0)
+        rows, row_ok = _row_ids(n_rows, ROWS)
         start = tl.program_id(1) * TILE
-        x, offs, inside, bad = _load_tile(x_ptr, lfc_ptr, row, start, row_len, W, WB, BH, BW, lfc_row,
+        x, offs, inside, bad = _load_tile(x_ptr, lfc_ptr, rows, row_ok, start, row_len, W, WB, BH, BW, lfc_row,
                                           PER, TILE, HAS_LFC)
         levels = (1 << BITS) - 1
-        r64 = row.to(tl.int64)
+        r3 = rows[:, None, None]
         if SPLIT:  # two ranges, one per side of an exact mask the decoder holds too
-            side = _split_side(split_ptr, row, row_len, offs, inside) != 0
+            side = _split_side(split_ptr, r3, row_len, offs, inside) != 0
             if STATS == 0:
                 mn0, scale0 = _range(x, inside & ~side, levels, STAT_BF16)
                 mn1, scale1 = _range(x, inside & side, levels, STAT_BF16)
-                tl.store(min_ptr + 2 * r64, mn0)
-                tl.store(min_ptr + 2 * r64 + 1, mn1)
-                tl.store(scale_ptr + 2 * r64, scale0)
-                tl.store(scale_ptr + 2 * r64 + 1, scale1)
+                tl.store(min_ptr + 2 * rows, mn0, mask=row_ok)
+                tl.store(min_ptr + 2 * rows + 1, mn1, mask=row_ok)
+                tl.store(scale_ptr + 2 * rows, scale0, mask=row_ok)
+                tl.store(scale_ptr + 2 * rows + 1, scale1, mask=row_ok)
             else:
-                mn0 = tl.load(min_ptr + 2 * r64)
-                mn1 = tl.load(min_ptr + 2 * r64 + 1)
-                scale0 = tl.load(scale_ptr + 2 * r64)
-                scale1 = tl.load(scale_ptr + 2 * r64 + 1)
-            mn = tl.where(side, mn1, mn0)
-            scale = tl.where(side, scale1, scale0)
+                mn0 = tl.load(min_ptr + 2 * rows, mask=row_ok, other=0.0)
+                mn1 = tl.load(min_ptr + 2 * rows + 1, mask=row_ok, other=0.0)
+                scale0 = tl.load(scale_ptr + 2 * rows, mask=row_ok, other=0.0)
+                scale1 = tl.load(scale_ptr + 2 * rows + 1, mask=row_ok, other=0.0)
+            mn = tl.where(side, mn1[:, None, None], mn0[:, None, None])
+            scale = tl.where(side, scale1[:, None, None], scale0[:, None, None])
         elif STATS == 2:
             mn = tl.load(min_ptr)
             scale = tl.load(scale_ptr)
         elif STATS == 1:
-            mn = tl.load(min_ptr + r64)
-            scale = tl.load(scale_ptr + r64)
+            mn = tl.load(min_ptr + r3, mask=row_ok[:, None, None], other=0.0)
+            scale = tl.load(scale_ptr + r3, mask=row_ok[:, None, None], other=0.0)
         else:
-            mn, scale = _range(x, inside, levels, STAT_BF16)
-            tl.store(min_ptr + r64, mn)
-            tl.store(scale_ptr + r64, scale)
+            mn1, scale1 = _range(x, inside, levels, STAT_BF16)
+            tl.store(min_ptr + rows, mn1, mask=row_ok)
+            tl.store(scale_ptr + rows, scale1, mask=row_ok)
+            mn, scale = mn1[:, None, None], scale1[:, None, None]
         if STATS != 1:
-            tl.store(bad_ptr + r64 * tiles + tl.program_id(1), bad.to(tl.int8))
+            tl.store(bad_ptr + rows * tiles + tl.program_id(1), bad.to(tl.int8), mask=row_ok)
         inv = tl.where(scale > 0, tl.div_rn(tl.full((), 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
         v = (x - mn) * inv
         if STOCHASTIC:
-            q = tl.floor(v + _uniform_tile(seed + r64, start, PER, TILE))
+            q = tl.floor(v + _uniform_tile(seed + rows, start, PER, TILE, ROWS))
         else:
             q = _round_half_even(v)
         q = tl.minimum(tl.maximum(q, 0.0), levels).to(tl.int32)
         if ALIGNED:
-            shifts = (tl.arange(0, PER) * BITS)[None, :]
-            byte = tl.sum(q << shifts, axis=1)
-            bytes_at = start // PER + tl.arange(0, TILE // PER)
-            tl.store(packed_ptr + r64 * (row_len // PER) + bytes_at, byte.to(tl.uint8),
-                     mask=bytes_at * PER < row_len)
+            shifts = (tl.arange(0, PER) * BITS)[None, None, :]
+            byte = tl.sum(q << shifts, axis=2)
+            bytes_at = start // PER + tl.arange(0, TILE // PER)[None, :]
+            tl.store(packed_ptr + rows[:, None] * (row_len // PER) + bytes_at, byte.to(tl.uint8),
+                     mask=(bytes_at * PER < row_len) & row_ok[:, None])
         else:
-            tl.store(codes_ptr + r64 * row_len + offs, q.to(tl.uint8), mask=inside)
+            tl.store(codes_ptr + r3 * row_len + offs, q.to(tl.uint8), mask=inside)
 
     @triton.jit
-    def _decode_tiles(packed_ptr, lfc_ptr, min_ptr, scale_ptr, bad_ptr, out_ptr, split_ptr,
+    def _decode_tiles(packed_ptr, lfc_ptr, min_ptr, scale_ptr, bad_ptr, out_ptr, split_ptr, n_rows,
                       row_len, W: tl.constexpr, WB: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, lfc_row,
-                      BITS: tl.constexpr, PER: tl.constexpr, TILE: tl.constexpr, HAS_LFC: tl.constexpr,
-                      SHARED: tl.constexpr, SPLIT: tl.constexpr, ZERO_UNSET: tl.constexpr):
-        """One tile of a row, written in the output's dtype (no float32 intermediate)."""
-        row = tl.program_id(0)
-        r64 = row.to(tl.int64)
-        offs = tl.program_id(1) * TILE + tl.arange(0, TILE)
-        inside = offs < row_len
-        flat = r64 * row_len + offs
+                      BITS: tl.constexpr, PER: tl.constexpr, TILE: tl.constexpr, ROWS: tl.constexpr,
+                      HAS_LFC: tl.constexpr, SHARED: tl.constexpr, SPLIT: tl.constexpr,
+                      ZERO_UNSET: tl.constexpr):
+        """One tile of ROWS rows, written in the output's dtype (no float32 intermediate)."""
+        rows, row_ok = _row_ids(n_rows, ROWS)
+        r2, ok2 = rows[:, None], row_ok[:, None]
+        offs = tl.program_id(1) * TILE + tl.arange(0, TILE)[None, :]
+        inside = (offs < row_len) & ok2
+        flat = r2 * row_len + offs
         byte = tl.load(packed_ptr + flat // PER, mask=inside, other=0).to(tl.int32)
         q = (byte >> ((flat % PER).to(tl.int32) * BITS)) & ((1 << BITS) - 1)
         if SPLIT:
             side = (tl.load(split_ptr + flat // 8, mask=inside, other=0).to(tl.int32) >> (flat % 8).to(tl.int32)) & 1
-            x = tl.load(min_ptr + 2 * r64 + side) + q.to(tl.float32) * tl.load(scale_ptr + 2 * r64 + side)
+            x = (tl.load(min_ptr + 2 * r2 + side, mask=inside, other=0.0)
+                 + q.to(tl.float32) * tl.load(scale_ptr + 2 * r2 + side, mask=inside, other=0.0))
         elif SHARED:
             x = tl.load(min_ptr) + q.to(tl.float32) * tl.load(scale_ptr)
         else:
-            x = tl.load(min_ptr + r64) + q.to(tl.float32) * tl.load(scale_ptr + r64)
+            x = (tl.load(min_ptr + r2, mask=ok2, other=0.0)
+                 + q.to(tl.float32) * tl.load(scale_ptr + r2, mask=ok2, other=0.0))
         if HAS_LFC:
             block = (offs // W // BH) * WB + (offs % W) // BW
-            x = x + tl.load(lfc_ptr + r64 * lfc_row + block, mask=inside, other=0.0).to(tl.float32)
-        x = tl.where(tl.load(bad_ptr + r64) != 0, float("nan"), x)
+            x = x + tl.load(lfc_ptr + r2 * lfc_row + block, mask=inside, other=0.0).to(tl.float32)
+        x = tl.where(tl.load(bad_ptr + r2, mask=ok2, other=0) != 0, float("nan"), x)
         if ZERO_UNSET:  # a ReLU's zeros: exactly 0 where the split mask is unset
             x = tl.where(side != 0, x, 0.0)
         tl.store(out_ptr + flat, x.to(out_ptr.dtype.element_ty), mask=inside)
@@ -283,10 +319,18 @@ if triton is not None:
         tl.store(out_ptr + offs, tl.where(keep != 0, g, 0.0), mask=inside)
 
 
-def tile_size(row_len: int, per: int = 1) -> int:
-    """Elements per program along a row: the row rounded up to a power of two, at most DEFAULT_TILE, at
-    least 16 and one byte's codes."""
-    return max(min(triton.next_power_of_2(row_len), DEFAULT_TILE), per, 16)
+def tile_size(row_len: int, per: int = 1, launch: Launch = Launch()) -> int:
+    """Elements per program along a row: the row rounded up to a power of two, at most the launch's tile
+    (DEFAULT_TILE), at least 16 and one byte's codes."""
+    return max(min(triton.next_power_of_2(row_len), launch.cap()), per, 16)
+
+
+def rows_per_program(rows: int, row_len: int, tile: int, launch: Launch = Launch()) -> int:
+    """Rows one program takes: a power of two with at most the launch's tile (DEFAULT_TILE) elements in
+    all (1 for rows longer than a tile), at most its max_rows (MAX_ROWS) and no more than the rows there are."""
+    if row_len > tile:
+        return 1
+    return max(1, min(launch.cap() // tile, launch.rows_cap(), triton.next_power_of_2(rows)))
 
 
 def _check_row_len(row_len: int):
@@ -308,7 +352,7 @@ def _geometry(row_len, map_hw, block_hw):
     return w, wb, bh, bw, (-(-h // bh)) * wb
 
 
-def _row_statistics(xc, lfc, split, rows, row_len, bits, tile, geometry, stat_bf16):
+def _row_statistics(xc, lfc, split, rows, row_len, bits, tile, geometry, stat_bf16, num_warps):
     """Pass 1 for rows longer than one tile: per-row (minimum, scale) laid out [row, side] and the NaN/Inf
     flag per row, reduced on the device with the reference's arithmetic (no host synchronisation)."""
     from division.codecs.base import bf16_outward, ieee_div
@@ -318,8 +362,9 @@ def _row_statistics(xc, lfc, split, rows, row_len, bits, tile, geometry, stat_bf
     pmax = torch.empty_like(pmin)
     pbad = torch.empty(rows * tiles, dtype=torch.int8, device=xc.device)
     _tile_stats[(rows, tiles)](xc, lfc if lfc is not None else xc, split if split is not None else pbad,
-                               pmin, pmax, pbad, row_len, *geometry, tiles, PER=8 // bits, TILE=tile,
-                               HAS_LFC=lfc is not None, SPLIT=split is not None, enable_fp_fusion=False)
+                               pmin, pmax, pbad, rows, row_len, *geometry, tiles, PER=8 // bits, TILE=tile,
+                               HAS_LFC=lfc is not None, SPLIT=split is not None, enable_fp_fusion=False,
+                               num_warps=num_warps)
     mn = pmin.view(rows, tiles, sides).amin(1).reshape(-1)
     mx = pmax.view(rows, tiles, sides).amax(1).reshape(-1)
     empty = mn > mx
@@ -330,11 +375,12 @@ def _row_statistics(xc, lfc, split, rows, row_len, bits, tile, geometry, stat_bf
 
 
 def encode_rows(x: torch.Tensor, rows: int, row_len: int, bits: int, stochastic: bool, lfc=None, map_hw=None,
-                block_hw=None, generator=None, fixed_range=None, split=None, stat_bf16: bool = False):
+                block_hw=None, generator=None, fixed_range=None, split=None, stat_bf16: bool = False,
+                launch: Launch = Launch()):
     """Quantize ``x`` viewed as (rows, row_len), after subtracting the upsampled ``lfc`` (rows of hb*wb block
     means of (h, w) maps) if given; ``fixed_range`` = (minimum, maximum) device scalars shared by every row;
     ``split`` (packed mask bits over the flattened x): two ranges per row, laid out [row, side];
-    ``stat_bf16``: statistics rounded outward to bf16 (returned as bf16).
+    ``stat_bf16``: statistics rounded outward to bf16 (returned as bf16); ``launch``: how programs are cut.
     Returns (packed, minimum, scale, bad) on x's device (minimum and scale of one element when shared)."""
     from division.codecs.base import ieee_div, rounding_seed
     from division.codecs.packing import pack_bits, packed_nbytes
@@ -343,7 +389,7 @@ def encode_rows(x: torch.Tensor, rows: int, row_len: int, bits: int, stochastic:
     per = 8 // bits
     aligned = row_len % per == 0
     dev = x.device
-    tile = tile_size(row_len, per)
+    tile = tile_size(row_len, per, launch)
     tiles = triton.cdiv(row_len, tile)
     geometry = _geometry(row_len, map_hw, block_hw)
     stat_bf16 = bool(stat_bf16) and fixed_range is None
@@ -356,18 +402,21 @@ def encode_rows(x: torch.Tensor, rows: int, row_len: int, bits: int, stochastic:
         bad = torch.empty(rows * tiles, dtype=torch.int8, device=dev)
     elif tiles > 1:
         stats = 1
-        minimum, scale, bad = _row_statistics(xc, lfc, split, rows, row_len, bits, tile, geometry, stat_bf16)
+        minimum, scale, bad = _row_statistics(xc, lfc, split, rows, row_len, bits, tile, geometry, stat_bf16,
+                                               launch.num_warps)
     else:
         stats = 0
         minimum = torch.empty(rows * (2 if split is not None else 1), dtype=torch.float32, device=dev)
         scale = torch.empty_like(minimum)
         bad = torch.empty(rows, dtype=torch.int8, device=dev)
     seed = rounding_seed(generator, bits=31) if stochastic else 0
-    _encode_tiles[(rows, tiles)](xc, lfc if lfc is not None else xc, packed, codes, minimum, scale, bad,
-                                 split if split is not None else packed, seed, row_len, *geometry, tiles, BITS=bits,
-                                 PER=per, TILE=tile, HAS_LFC=lfc is not None, STOCHASTIC=bool(stochastic),
-                                 ALIGNED=aligned, STATS=stats, SPLIT=split is not None, STAT_BF16=stat_bf16,
-                                 enable_fp_fusion=False)
+    block = rows_per_program(rows, row_len, tile, launch)
+    _encode_tiles[(triton.cdiv(rows, block), tiles)](
+        xc, lfc if lfc is not None else xc, packed, codes, minimum, scale, bad,
+        split if split is not None else packed, seed, rows, row_len, *geometry, tiles, BITS=bits,
+        PER=per, TILE=tile, ROWS=block, HAS_LFC=lfc is not None, STOCHASTIC=bool(stochastic),
+        ALIGNED=aligned, STATS=stats, SPLIT=split is not None, STAT_BF16=stat_bf16, enable_fp_fusion=False,
+        num_warps=launch.num_warps)
     if stats == 2 and tiles > 1:
         bad = bad.view(rows, tiles).amax(1)
     if not aligned:
@@ -379,19 +428,20 @@ def encode_rows(x: torch.Tensor, rows: int, row_len: int, bits: int, stochastic:
 
 def decode_rows(packed, minimum, scale, bad, rows: int, row_len: int, bits: int, lfc=None, map_hw=None,
                 block_hw=None, split=None, dtype: torch.dtype = torch.float32,
-                zero_unset: bool = False) -> torch.Tensor:
+                zero_unset: bool = False, launch: Launch = Launch()) -> torch.Tensor:
     """Inverse of :func:`encode_rows`: a (rows, row_len) tensor of ``dtype`` (the dtype backward needs,
     written directly); flagged rows come back as NaN; ``zero_unset``: exactly 0 where ``split`` is unset."""
     _check_row_len(row_len)
     out = torch.empty(rows, row_len, dtype=dtype, device=packed.device)
     minimum, scale = minimum.float(), scale.float()
-    tile = tile_size(row_len)
-    _decode_tiles[(rows, triton.cdiv(row_len, tile))](
+    tile = tile_size(row_len, launch=launch)
+    block = rows_per_program(rows, row_len, tile, launch)
+    _decode_tiles[(triton.cdiv(rows, block), triton.cdiv(row_len, tile))](
         packed, lfc if lfc is not None else minimum, minimum, scale, bad, out,
-        split if split is not None else packed, row_len, *_geometry(row_len, map_hw, block_hw),
-        BITS=bits, PER=8 // bits, TILE=tile, HAS_LFC=lfc is not None,
+        split if split is not None else packed, rows, row_len, *_geometry(row_len, map_hw, block_hw),
+        BITS=bits, PER=8 // bits, TILE=tile, ROWS=block, HAS_LFC=lfc is not None,
         SHARED=minimum.numel() == 1 and rows > 1 and split is None, SPLIT=split is not None,
-        ZERO_UNSET=bool(zero_unset) and split is not None, enable_fp_fusion=False)
+        ZERO_UNSET=bool(zero_unset) and split is not None, enable_fp_fusion=False, num_warps=launch.num_warps)
     return out
 
 
