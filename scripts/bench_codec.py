@@ -28,6 +28,7 @@ import torch
 from division import peak, results
 from division.codecs import BlpaCodec, DivisionCodec
 from division.codecs.compact import compact_relu
+from division.codecs.division import lfc_blocks
 from division.codecs.exact import BitMask
 from division.kernels import triton_codecs
 
@@ -97,7 +98,7 @@ def parse(argv=None):
 def launch_sweep(x: torch.Tensor, bits: int, block: int, repeats: int, copy: float):
     """Rows timing the HFC kernels alone (the LFC made once, as the codec makes it) for each launch."""
     n, c, h, w = x.shape
-    block_hw = (min(block, h), min(block, w))
+    block_hw = lfc_blocks(h, w, block)
     lfc = DivisionCodec(block, bits, backend="triton")._lfc(x, block_hw)
     rows = []
     for launch in LAUNCHES:

@@ -1,6 +1,7 @@
 """Normalisation layers (batch norm, its synchronised form, layer norm) keeping a compressed input."""
 import torch
 
+
 def batch_norm_train(x, weight, bias, running_mean, running_var, momentum: float, eps: float):
     """Training-mode batch norm: (out, saved mean, saved inverse std, backend reserve or None).
 
@@ -34,7 +35,6 @@ class _BatchNorm2dFn(torch.autograd.Function):
         ctx.eps = eps
         ctx.x_dtype = x.dtype
         ctx.running = (running_mean, running_var)  # module buffers: held anyway, not saved tensors
-        ctx.has_reserve = reserve is not None
         # cuDNN picks its mode (and the reserve's meaning) from the input's layout: backward must see the same
         ctx.layout = torch.channels_last if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(
             memory_format=torch.channels_last) else torch.contiguous_format
@@ -51,7 +51,7 @@ class _BatchNorm2dFn(torch.autograd.Function):
                 bias is not None and ctx.needs_input_grad[2]]
         grad = grad.to(ctx.x_dtype).contiguous(memory_format=ctx.layout)
         gx, gw, gb = batch_norm_train_backward(grad, x, weight, ctx.running, save_mean,
-                                               save_invstd, reserve[0] if ctx.has_reserve else None, ctx.eps, mask)
+                                               save_invstd, reserve[0] if reserve else None, ctx.eps, mask)
         return gx, gw, gb, None, None, None, None, None, None
 
 

@@ -42,6 +42,7 @@ DEFAULT_TILE = 4096
 # 14x14 map meant hundreds of thousands of tiny programs per ResNet-50 layer at batch 256 (the H200 profile:
 # 0.54 ms per encode, 28 % of the step). Tests set MAX_ROWS = 1 to compare against one row per program.
 MAX_ROWS = 64
+MASK_BLOCK = 1024
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,6 @@ class Launch:
 
     def rows_cap(self) -> int:
         return self.max_rows or MAX_ROWS
-MASK_BLOCK = 1024
 
 
 def available(device: torch.device) -> bool:
@@ -222,10 +222,10 @@ if triton is not None:
             mn = tl.load(min_ptr + r3, mask=row_ok[:, None, None], other=0.0)
             scale = tl.load(scale_ptr + r3, mask=row_ok[:, None, None], other=0.0)
         else:
-            mn1, scale1 = _range(x, inside, levels, STAT_BF16)
-            tl.store(min_ptr + rows, mn1, mask=row_ok)
-            tl.store(scale_ptr + rows, scale1, mask=row_ok)
-            mn, scale = mn1[:, None, None], scale1[:, None, None]
+            row_mn, row_scale = _range(x, inside, levels, STAT_BF16)
+            tl.store(min_ptr + rows, row_mn, mask=row_ok)
+            tl.store(scale_ptr + rows, row_scale, mask=row_ok)
+            mn, scale = row_mn[:, None, None], row_scale[:, None, None]
         if STATS != 1:
             tl.store(bad_ptr + rows * tiles + tl.program_id(1), bad.to(tl.int8), mask=row_ok)
         inv = tl.where(scale > 0, tl.div_rn(tl.full((), 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
