@@ -5,8 +5,10 @@ How it works (the DIVISION-family methods, ``methods/compressed.py``):
 
 1. **Observe** one training step (``Division.calibrate`` before training, then every ``budget_refresh`` steps
    during it): for every 4-D activation a layer saves (a *site*), each candidate setting is encoded once
-   (HFC bits 1/2/4/8 x LFC blocks 8/16, ActNN-style groups of 256 at the same bits, or a bf16 copy) for its
-   exact held bytes, and decoded for its mean squared error; the step's backward gives each layer's
+   (HFC bits 1/2/4/8 x LFC blocks 8/16, ActNN-style groups of 64/256/1024 at the same bits, a bf16 copy, or the
+   activation itself, held exactly) for its exact held bytes, and decoded for its mean squared error. A ReLU
+   output's codes are compacted to its positive elements (``compact_relu``: fewer bytes, the same error, so
+   always the better choice under a budget); the step's backward gives each layer's
    output-gradient norm and weight-gradient norm.
 2. **Estimate** each candidate's relative weight-gradient error. By default it is measured
    (``probe_sensitivities``, as GACT does): with the method bypassed, one full-precision forward, then one
@@ -40,7 +42,9 @@ import torch
 
 BITS = (1, 2, 4, 8)
 BLOCKS = (8, 16)
-GROUPS = (256,)  # ActNN-style group sizes the budget may choose (ActNN's own default)
+# ActNN-style group sizes the budget may choose: ActNN's own 256; 64 buys a tighter range per group for half a
+# bit of bf16 statistics per element, 1024 a cheaper one where a map's spread is even
+GROUPS = (64, 256, 1024)
 UNITS = {"B": 1, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9}
 
 
@@ -56,12 +60,23 @@ def parse_budget(text) -> tuple:
                      f"bytes with a unit among {sorted(UNITS)} such as '40MiB'")
 
 
+# A ReLU output's compacted codes cover its positive elements, a count that varies from batch to batch: the
+# plan charges each compacted candidate the codes of this fraction of the map's elements more than it saw, so
+# that another batch still fits (ResNet-50 at 224, batch 10: 0.35 % over the budget on other batches without it)
+COMPACT_HEADROOM = 0.02
+
+
 @dataclass
 class Option:
-    name: str  # "2b/B8", "4b/B16", "bf16"
+    name: str  # "2b/B8", "4b/B16", "2b/G256", "bf16", "exact"
     codec: object  # has encode(x, split=None)
-    nbytes: int
+    nbytes: int  # what the observed step held (the plan charges nbytes + headroom)
     variance: float  # mean squared rounding error per element (0 for exact copies)
+    headroom: int = 0  # bytes the plan reserves beyond nbytes (compacted codes: COMPACT_HEADROOM)
+
+    @property
+    def charged(self) -> int:
+        return self.nbytes + self.headroom
 
 
 @dataclass
@@ -109,7 +124,11 @@ class Plan:
 
     @property
     def planned_bytes(self) -> int:
-        return self.fixed_bytes + sum(self.sites[k].options[i].nbytes for k, i in self.choices.items())
+        return self.fixed_bytes + sum(self.sites[k].options[i].charged for k, i in self.choices.items())
+
+    @property
+    def headroom_bytes(self) -> int:
+        return sum(self.sites[k].options[i].headroom for k, i in self.choices.items())
 
     def option(self, key: str) -> Optional[Option]:
         i = self.choices.get(key)
@@ -121,7 +140,7 @@ class Plan:
                  "bytes": s.options[i].nbytes, "est_rel_error": s.rel_error(s.options[i])}
                 for key, i in self.choices.items() for s in [self.sites[key]]]
         return {"budget_bytes": self.budget_bytes, "planned_bytes": self.planned_bytes,
-                "fixed_bytes": self.fixed_bytes, "fp_bytes": self.fp_bytes,
+                "headroom_bytes": self.headroom_bytes, "fixed_bytes": self.fixed_bytes, "fp_bytes": self.fp_bytes,
                 "observe_seconds": round(self.observe_seconds, 3),
                 "est_rel_error_sum": sum(r["est_rel_error"] for r in rows),
                 "est_mean_rel_error": (statistics.mean(math.sqrt(e) for e in errors) if errors else None),
@@ -150,7 +169,16 @@ def candidate_codecs(make_division, make_plain, single_block_lfc: bool, h: int, 
         if make_groups is not None:
             out.extend((f"{bits}b/G{group}", make_groups(bits, group)) for group in GROUPS)
     out.append(("bf16", _Bf16()))
+    out.append(("exact", _Exact()))
     return out
+
+
+class _Exact:
+    """The activation itself, by reference (as plain autograd holds it) as a candidate codec: no error."""
+
+    def encode(self, x, split=None):
+        from division.codecs.exact import ExactReference
+        return ExactReference.encode(x)
 
 
 class _Bf16:
@@ -165,12 +193,17 @@ def measure_options(x: torch.Tensor, candidates, split=None, finish=None) -> Lis
     """Each candidate encoded once (with the split mask the site's encode will get, then ``finish``, e.g. the
     compaction of a ReLU output's codes, as the site's save does): its held bytes exactly and the mean squared
     error of its decode."""
+    from division.codecs.compact import ReluCompacted
     options = []
     for name, codec in candidates:
         packed = codec.encode(x, split)
         if finish is not None:
             packed = finish(packed)
-        options.append(Option(name, codec, packed.nbytes(), _variance(packed, x)))
+        headroom = 0
+        if isinstance(packed, ReluCompacted):
+            q = getattr(packed.inner, packed.part)
+            headroom = math.ceil(COMPACT_HEADROOM * q.rows * q.row_len * q.bits / 8)
+        options.append(Option(name, codec, packed.nbytes(), _variance(packed, x), headroom))
     return options
 
 
@@ -281,17 +314,17 @@ def allocate(sites: Dict[str, Site], available: int) -> Dict[str, int]:
     """Option index per site minimising the summed estimated error with summed bytes <= ``available``;
     ValueError if even the cheapest options do not fit."""
     keys = list(sites)
-    cheapest = {k: min(range(len(sites[k].options)), key=lambda i: sites[k].options[i].nbytes) for k in keys}
-    if sum(sites[k].options[cheapest[k]].nbytes for k in keys) > available:
+    cheapest = {k: min(range(len(sites[k].options)), key=lambda i: sites[k].options[i].charged) for k in keys}
+    if sum(sites[k].options[cheapest[k]].charged for k in keys) > available:
         raise _Infeasible()
     err = {k: [sites[k].rel_error(o) for o in sites[k].options] for k in keys}
 
     def pick(lam):
-        return {k: min(range(len(sites[k].options)), key=lambda i: (err[k][i] + lam * sites[k].options[i].nbytes,
-                                                                   sites[k].options[i].nbytes)) for k in keys}
+        return {k: min(range(len(sites[k].options)), key=lambda i: (err[k][i] + lam * sites[k].options[i].charged,
+                                                                   sites[k].options[i].charged)) for k in keys}
 
     def total(choice):
-        return sum(sites[k].options[i].nbytes for k, i in choice.items())
+        return sum(sites[k].options[i].charged for k, i in choice.items())
 
     lo, hi = 0.0, 1.0
     while total(pick(hi)) > available and hi < 1e30:
@@ -328,7 +361,7 @@ def _upgrade(choice, sites, err, left: int):
         best = None
         for k, i in choice.items():
             for j, o in enumerate(sites[k].options):
-                extra = o.nbytes - sites[k].options[i].nbytes
+                extra = o.charged - sites[k].options[i].charged
                 gain = err[k][i] - err[k][j]
                 if 0 < extra <= left and gain > 0 and (best is None or gain / extra > best[0]):
                     best = (gain / extra, k, j, extra)
@@ -413,7 +446,7 @@ def make_plan(observer: BudgetObserver, records, budget: tuple, fp_bytes: Option
     try:
         choices = allocate(observer.sites, budget_bytes - fixed)
     except _Infeasible:
-        least = fixed + sum(min(o.nbytes for o in s.options) for s in observer.sites.values())
+        least = fixed + sum(min(o.charged for o in s.options) for s in observer.sites.values())
         ratio = f", {fp_bytes / least:.1f}x" if fp_bytes else ""
         raise ValueError(f"method.budget={budget_bytes} bytes ({budget_bytes / 2**20:.2f} MiB) is below what the "
                          f"cheapest choice needs; the least feasible budget is {least} bytes "

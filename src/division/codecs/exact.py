@@ -139,3 +139,23 @@ class InputReference(FullCopy):
             raise RuntimeError("the model's input was modified in place after the forward that saved it (version "
                                f"{self.version} -> {self.data._version}); keep_input holds it by reference")
         return self.data
+
+
+@dataclass(eq=False)
+class ExactReference(FullCopy):
+    """An activation held exactly, by reference, as plain autograd holds it (a byte budget's "exact" choice):
+    its storage stays alive, and counts, until backward. Plain autograd's version check, kept: an in-place
+    change after the forward is an error, not a silently wrong gradient."""
+
+    version: int = 0
+    kind = "exact"
+
+    @classmethod
+    def encode(cls, x: torch.Tensor, split=None) -> "ExactReference":
+        return cls(x, x._version)
+
+    def decode(self) -> torch.Tensor:
+        if self.data._version != self.version:
+            raise RuntimeError(f"an activation held exactly was modified in place after the forward that saved it "
+                               f"(version {self.version} -> {self.data._version})")
+        return self.data

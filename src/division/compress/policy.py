@@ -197,7 +197,7 @@ class SavePolicy:
             record.held = [(storage_key(t), t.untyped_storage().nbytes()) for t in packed.tensors() if t is not None]
             self._cache[self._key(x)] = (weakref.ref(x), packed, mask)
         self.records.append(record)
-        use_mask = mask if (self.reuse_relu_mask and packed.kind not in ("full", "input")
+        use_mask = mask if (self.reuse_relu_mask and packed.kind not in ("full", "input", "exact")
                             and not isinstance(packed, ReluCompacted)) else None
         return Saved(packed, use_mask, tuple(x.shape))
 

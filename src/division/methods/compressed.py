@@ -148,8 +148,10 @@ class Division(PolicyMethod):
             make_groups)
         if self.budget is not None:
             self.policy.on_begin = self._on_forward
+            self.policy.compact_relu = True  # fewer bytes at the same error: the better choice at every site
             self.notes.append(f"method.budget={budget}: each 4-D activation's HFC bits and block size (or groups, "
-                              "or a bf16 copy) chosen per layer to fit the budget (method_info.budget_plan)")
+                              "a bf16 copy, or the activation held exactly) chosen per layer to fit the budget "
+                              "(method_info.budget_plan); ReLU outputs' codes compacted to their positive elements")
 
     def _on_forward(self, training: bool):
         """Before each training forward: plan from the step observed last (its backward is done), and observe
