@@ -154,8 +154,9 @@ def test_probe_places_each_sites_error_where_backward_carries_it():
     """The measured sensitivities follow backward exactly: a convolution's input changes its own weight
     gradient and nothing else (every other layer's entry is exactly 0: the same arithmetic on the same
     tensors); a batch norm's input changes layers at or before it only; a batch norm a fused convolution
-    rebuilds its input from changes that convolution's weight gradient (it would not, were the link lost)."""
-    model, method, plan, x, y, state = _calibrated("division_plus", "12x")
+    rebuilds its input from changes that convolution's weight gradient (it would not, were the link lost).
+    Residual rebuilds off: they carry a batch norm's error forward (test_probe_follows_residual_rebuilds...)."""
+    model, method, plan, x, y, state = _calibrated("division_plus", "12x", budget_residual=False)
     engine._forward(model, x, y, state)()  # a training forward: the policy notes which convolutions it fuses
     layers = _weighted_layers(model)
     order, fused_of = [n for n, _ in model.named_modules()], method.policy.fused
@@ -248,3 +249,26 @@ def test_budget_compacts_relu_outputs():
     engine._forward(model, x, y, state)()
     kinds = [r.codec for r in method.policy.records if r.kind == "conv" and r.codec]
     assert any("relu-compact" in k for k in kinds), kinds
+
+
+def test_probe_follows_residual_rebuilds_through_the_chain():
+    """Under a budget division_plus rebuilds residual blocks' outputs (budget_residual): a batch norm whose
+    output a later block's first convolution rebuilds its input from reaches that convolution's weight gradient,
+    and so does every batch norm further up the chain of shortcuts (the probe would see neither were the
+    rebuilt inputs left exact); budget_residual=false leaves residual outputs held."""
+    model, method, plan, x, y, state = _calibrated("division_plus", "16x")
+    engine._forward(model, x, y, state)()
+    layers, residual = _weighted_layers(model), dict(method.policy.residual)
+    assert len(residual) == 6
+    nodes = {**{c: ("bnrelu", f"{b}:bn") for c, b in method.policy.fused.items()}, **residual}
+    chained = 0
+    for conv, node in residual.items():
+        assert plan.sites[node[1]].sensitivities[layers.index(conv)] > 0, (conv, node)
+        up = node[2]
+        while up[0] == "conv":
+            chained += 1
+            assert plan.sites[nodes[up[1]][1]].sensitivities[layers.index(conv)] > 0, (conv, up)
+            up = nodes[up[1]][2] if nodes[up[1]][0] == "res" else ("end",)
+    assert chained >= 6
+    model, method, *_ = _calibrated("division_plus", "16x", budget_residual=False)
+    assert not method.policy.fuse_residual

@@ -232,3 +232,54 @@ def test_compiled_bn_relu_rebuild_matches_pytorch(shape):
     assert rebuilt["compiled"].view(-1)[0] == 0
     torch.testing.assert_close(rebuilt["compiled"], rebuilt["reference"], rtol=1e-6, atol=1e-6)
     assert torch.equal(rebuilt["compiled"] == 0, out.clamp_min(0) == 0)
+
+
+@pytest.mark.parametrize("name", ["resnet20", "resnet18"])
+def test_lossless_residual_rebuild_gives_fp_gradients(name):
+    """fuse_residual: a convolution reading relu(batch norm output + shortcut) rebuilds it; with a lossless
+    codec the gradients are those of plain autograd up to float rounding. ResNet-20 adds out of place and pads
+    its stride-2 shortcuts (those two blocks' outputs are held: a padded subsample is not a rebuild source);
+    torchvision's BasicBlock adds in place, its first shortcut is the max-pool output (held codes) and its
+    stride-2 shortcuts are batch norms: every block output after the first block is rebuilt, for the next
+    block's first convolution and for a downsampling convolution."""
+    torch.manual_seed(0)
+    ref = create_model(name, num_classes=10) if name == "resnet20" else torchvision.models.resnet18(num_classes=10)
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    model = copy.deepcopy(ref)
+    policy = compress.SavePolicy(compress.full_copy, fuse_bn_relu=True, fuse_residual=True)
+    compress.install(model, policy)
+    grads, g_ref = _grads(model, x, y), _grads(ref, x, y)
+    rebuilt = [r.layer for r in policy.records if r.codec == "residual recompute"]
+    expected = {"resnet20": ["layers.0.1.conv1", "layers.0.2.conv1", "layers.1.0.conv1", "layers.1.2.conv1",
+                             "layers.2.0.conv1", "layers.2.2.conv1"],
+                "resnet18": ["layer1.1.conv1", "layer2.0.conv1", "layer2.0.downsample.0", "layer2.1.conv1",
+                             "layer3.0.conv1", "layer3.0.downsample.0", "layer3.1.conv1", "layer4.0.conv1",
+                             "layer4.0.downsample.0", "layer4.1.conv1"]}[name]
+    assert rebuilt == expected
+    for k in g_ref:
+        scale = max(1.0, g_ref[k].abs().max().item())
+        torch.testing.assert_close(grads[k], g_ref[k], rtol=1e-4, atol=1e-5 * scale, msg=k)
+
+
+def test_residual_rebuild_holds_less():
+    """On the CIFAR ResNet-20 the residual rebuild drops the codes of six block outputs: more than 15 % fewer
+    bytes than division_plus (18.97x against 15.41x on the trained network, CPU analysis)."""
+    from division.methods import load_config
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    held = {}
+    for residual in (False, True):
+        model = create_model("resnet20", num_classes=10)
+        method = build({**load_config("division_plus"), "fuse_residual": residual})
+        method.prepare(model)
+        fp, report = measured_step(method, model, x, y)
+        held[residual] = report.held_bytes
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    assert held[False] > 1.15 * held[True], held
+
+
+def test_residual_rebuild_needs_the_bn_relu_link():
+    with pytest.raises(ValueError, match="fuse_residual=True needs fuse_bn_relu=True"):
+        build({"name": "division", "fuse_residual": True})
+    with pytest.raises(ValueError, match="fuse_residual"):
+        build({"name": "division", "fuse_bn_relu": True, "fuse_residual": "yes"})

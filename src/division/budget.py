@@ -218,13 +218,15 @@ def _mse(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def probe_sensitivities(model: torch.nn.Module, run_forward, sites: Dict[str, "Site"],
-                        fused: Dict[str, Optional[str]]) -> Dict[str, List[float]]:
+                        fused: Dict[str, Optional[str]], residual: Optional[Dict[str, tuple]] = None
+                        ) -> Dict[str, List[float]]:
     """Each site's measured sensitivities (GACT's approach, Liu et al. 2022, per tensor and per layer): the
     squared relative error of each weighted layer's weight gradient when that site alone is held with a
     reference encoding, divided by that encoding's mean squared error. One full-precision forward keeps its
     graph; one exact backward, then one backward per site in which that site's saved tensor (and, for a batch
     norm whose output a fused convolution rebuilds, that convolution's input, ``fused``: conv layer -> batch
-    norm layer) is replaced by its decode. Run with the method bypassed; costs a forward and 1 + len(sites)
+    norm layer; for a residual rebuild, ``residual``: conv layer -> its sources as SavePolicy describes them,
+    every input along the chain that the site reaches) is replaced by its decode. Run with the method bypassed; costs a forward and 1 + len(sites)
     backwards, and holds the full-precision activations of that step."""
     modules = dict(model.named_modules())
     weights = [m.weight for m in modules.values() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))
@@ -235,6 +237,9 @@ def probe_sensitivities(model: torch.nn.Module, run_forward, sites: Dict[str, "S
         if site.layer in modules:
             by_layer.setdefault(site.layer, []).append(key)
     bn_of = {conv: f"{bn}:bn" for conv, bn in fused.items() if bn is not None and f"{bn}:bn" in sites}
+    residual = residual or {}
+    nodes = {**{conv: ("bnrelu", key) for conv, key in bn_of.items()}, **residual}
+    inputs = {}  # a rebuilt convolution's exact input (its ReLU's mask)
 
     def pre_hook(name):
         def hook(mod, args):
@@ -258,8 +263,9 @@ def probe_sensitivities(model: torch.nn.Module, run_forward, sites: Dict[str, "S
                 option = _reference_option(sites[key])
                 entries[key] = (t, option.codec.encode(t.detach()), state.get("alpha"))
                 return ("site", key, t)
-        if name in bn_of:
-            return ("fused", bn_of[name], t)
+        if name in nodes:
+            inputs[name] = t
+            return ("rebuilt", name, t)
         return t
 
     def decoded(key):
@@ -268,19 +274,41 @@ def probe_sensitivities(model: torch.nn.Module, run_forward, sites: Dict[str, "S
             state["decoded"] = packed.decode().to(x.dtype)
         return state["decoded"]
 
+    def active(key):
+        return key == state["active"] and key in entries
+
+    def bn_shift(key):  # a batch norm's output change: alpha * (decode - y)
+        x, _, alpha = entries[key]
+        return (decoded(key).float() - x.float()) * alpha.view(1, -1, 1, 1)
+
+    def shortcut_shift(source):
+        kind, ref = source
+        if kind == "conv":  # another rebuilt convolution's input, itself rebuilt
+            return node_shift(ref) if ref in nodes and ref in inputs else None
+        if not active(ref):
+            return None
+        return bn_shift(ref) if kind == "bn" else decoded(ref).float() - entries[ref][0].float()
+
+    def node_shift(conv):
+        """The change of a rebuilt convolution's input when the active site holds its decode: the ReLU's mask
+        times the change of what it rebuilds from (a chain through the shortcuts)."""
+        node, t = nodes[conv], inputs[conv]
+        parts = [bn_shift(node[1]) if active(node[1]) else None]
+        if node[0] == "res":
+            parts.append(shortcut_shift(node[2]))
+        parts = [p for p in parts if p is not None]
+        return None if not parts else (t > 0) * sum(parts)
+
     def unpack(obj):
         if not isinstance(obj, tuple):
             return obj
         role, key, t = obj
-        if key != state["active"]:
-            return t
         if role == "site":
-            return decoded(key)
-        x, _, alpha = entries[key]  # a fused convolution's input: mask * (its batch norm's output)
-        shift = (decoded(key).float() - x.float()) * alpha.view(1, -1, 1, 1)
-        return (t.float() + (t > 0) * shift).to(t.dtype)
+            return decoded(key) if key == state["active"] else t
+        shift = node_shift(key)  # a rebuilt convolution's input
+        return t if shift is None else (t.float() + shift).to(t.dtype)
 
-    hooked = set(by_layer) | set(bn_of)
+    hooked = set(by_layer) | set(nodes)
     handles = [modules[n].register_forward_pre_hook(pre_hook(n)) for n in hooked]
     handles += [modules[n].register_forward_hook(post_hook) for n in hooked]
     try:

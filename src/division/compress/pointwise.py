@@ -9,12 +9,12 @@ class _ReLUFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, inplace, policy, layer):
         fp_bytes, fp_key = x.numel() * x.element_size(), policy.ids(x)
-        bn = policy.bn_output(x)
+        bn, residual = policy.bn_output(x), policy.residual_of(x)
         y, mask = BitMask.relu(x, inplace, policy.backend)
         if inplace:
             ctx.mark_dirty(x)
         ctx.mask = mask
-        policy.note_relu(x, bn, y, mask, inplace)  # first: it encodes the batch norm's waiting input
+        policy.note_relu(x, bn, y, mask, inplace, residual)  # first: it encodes the batch norm's waiting input
         policy.save_mask(y, mask, "relu", layer, fp_bytes, fp_key if inplace else policy.ids(y), inplace)
         return y
 

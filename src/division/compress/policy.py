@@ -10,7 +10,7 @@ from division.codecs.base import tensor_storages
 from division.codecs.compact import ReluCompacted, compact_relu
 from division.codecs.exact import InputReference
 from division.codecs.quant import BitMask, FullCopy, Packed, check_backend, storage_key
-from division.compress.fused import BnOutput, BnReluInput
+from division.compress.fused import BnOutput, BnReluInput, ResidualReluInput, ResidualSum
 from division.memory import SaveRecord, TensorIds
 
 LAYER_KINDS = ("conv", "bn", "linear", "relu", "maxpool", "dropout", "avgpool", "ln", "gelu", "attn")
@@ -31,17 +31,23 @@ class SavePolicy:
     output by the ReLU's exact mask; ``fuse_bn_relu`` lets a convolution after BatchNorm -> ReLU rebuild its
     input from the batch norm's saved input (division/compress/fused.py) instead of holding a copy;
     ``keep_input`` holds the model's input (the caller's batch) by reference instead of encoding it;
-    ``compact_relu`` keeps codes only for the positive elements of a ReLU output (division/codecs/compact.py).
+    ``compact_relu`` keeps codes only for the positive elements of a ReLU output (division/codecs/compact.py);
+    ``fuse_residual`` (with ``fuse_bn_relu``) lets a convolution whose input is relu(batch norm output +
+    shortcut) rebuild it from the batch norm's saved input and the shortcut's (compress/fused.py).
     """
 
     def __init__(self, choose: Callable[[str, torch.Tensor], Packed], kinds=LAYER_KINDS,
                  reuse_relu_mask: bool = False, backend: str = "auto", fuse_bn_relu: bool = False,
-                 keep_input: bool = False, compact_relu: bool = False):
+                 keep_input: bool = False, compact_relu: bool = False, fuse_residual: bool = False):
         for name, value in (("fuse_bn_relu", fuse_bn_relu), ("keep_input", keep_input),
-                            ("compact_relu", compact_relu)):
+                            ("compact_relu", compact_relu), ("fuse_residual", fuse_residual)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} is invalid; valid choices: [True, False]")
+        if fuse_residual and not fuse_bn_relu:
+            raise ValueError("fuse_residual=True needs fuse_bn_relu=True (it rebuilds from the batch norm's saved "
+                             "input, which only fuse_bn_relu links)")
         self.fuse_bn_relu = fuse_bn_relu
+        self.fuse_residual = fuse_residual
         self.keep_input = keep_input
         self.compact_relu = compact_relu
         self._inputs: set = set()  # storage keys of this forward's model arguments (with keep_input)
@@ -58,6 +64,9 @@ class SavePolicy:
         self._masks: Dict[tuple, tuple] = {}
         self.records: List[SaveRecord] = []
         self.fused: Dict[str, Optional[str]] = {}  # this forward's convolutions whose input a batch norm's rebuilds
+        self.residual: Dict[str, tuple] = {}  # this forward's residual rebuilds, described for the budget's probe
+        self._rebuilt_by: Dict[int, str] = {}  # id of a rebuild object -> the convolution that reads it
+        self._codes_site: Dict[int, str] = {}  # id of held codes -> their site ("layer:kind")
         self.ids = TensorIds()
         self.enabled = True
 
@@ -73,6 +82,9 @@ class SavePolicy:
         self._pending = []
         self.records = []
         self.fused = {}
+        self.residual = {}
+        self._rebuilt_by = {}
+        self._codes_site = {}
         self.ids = TensorIds()
 
     def end_forward(self):
@@ -101,14 +113,60 @@ class SavePolicy:
         if self.fuse_bn_relu:
             self._link(out, BnOutput(saved, weight, bias, mean, invstd, out.dtype, layer), out._version)
 
-    def note_relu(self, x: torch.Tensor, bn: Optional[BnOutput], y: torch.Tensor, mask: BitMask, inplace: bool):
+    def note_relu(self, x: torch.Tensor, bn: Optional[BnOutput], y: torch.Tensor, mask: BitMask, inplace: bool,
+                  residual: Optional[ResidualSum] = None):
         """Link a ReLU output to the batch norm whose untouched output it consumed (``bn`` from
         :meth:`bn_output`, looked up before the ReLU ran), and encode that batch norm's input now, with the
         ReLU's mask as split (two ranges per map: the side a following conv rebuilds gets its own, narrower
-        range). An in-place ReLU's output gets one more version bump when its autograd function returns."""
+        range); or to the residual sum it consumed (``residual`` from :meth:`residual_of`). An in-place
+        ReLU's output gets one more version bump when its autograd function returns."""
+        version = y._version + (1 if inplace else 0)
         if bn is not None:
             self.complete(bn.saved, mask)
-            self._link(y, BnReluInput(bn, mask, y.shape), y._version + (1 if inplace else 0))
+            self._link(y, BnReluInput(bn, mask, y.shape), version)
+        elif residual is not None:
+            self._link(y, ResidualReluInput(residual, mask, y.shape, y.dtype), version)
+
+    # --- fuse_residual: relu(batch norm output + shortcut) rebuilt, not held --------------------------------
+    def residual_sum(self, a: torch.Tensor, b: torch.Tensor) -> Optional[ResidualSum]:
+        """Before ``a + b`` runs: a ResidualSum if one side is a batch norm's untouched output and the other a
+        shortcut this policy can rebuild and describe, else None."""
+        if not self.fuse_residual or a.shape != b.shape:
+            return None
+        for bn_side, other in ((a, b), (b, a)):
+            bn = self._linked(bn_side, BnOutput)
+            source = self._rebuildable(other) if bn is not None and bn.layer is not None else None
+            if source is not None:
+                return ResidualSum(bn, source)
+        return None
+
+    def _rebuildable(self, t: torch.Tensor):
+        linked = self._linked(t, (BnOutput, BnReluInput, ResidualReluInput))
+        if isinstance(linked, BnOutput):
+            return linked if linked.layer is not None else None
+        if linked is not None:
+            return linked if id(linked) in self._rebuilt_by else None
+        hit = self._lookup(t)
+        return hit[1] if hit is not None and id(hit[1]) in self._codes_site else None
+
+    def note_residual(self, out: torch.Tensor, residual: ResidualSum):
+        self._link(out, residual, out._version)
+
+    def residual_of(self, x: torch.Tensor) -> Optional[ResidualSum]:
+        return self._linked(x, ResidualSum) if self.fuse_residual else None
+
+    def _describe(self, source) -> tuple:
+        """A rebuild's sources by site, for the budget's probe (``residual``)."""
+        if isinstance(source, ResidualReluInput):
+            return ("res", f"{source.sum.bn.layer}:bn", self._describe_shortcut(source.sum.other))
+        return ("bnrelu", f"{source.bn.layer}:bn")
+
+    def _describe_shortcut(self, source) -> tuple:
+        if isinstance(source, BnOutput):
+            return ("bn", f"{source.layer}:bn")
+        if isinstance(source, (BnReluInput, ResidualReluInput)):
+            return ("conv", self._rebuilt_by[id(source)])
+        return ("codes", self._codes_site[id(source)])
 
     def save_bn_input(self, x: torch.Tensor, layer: str) -> "Saved":
         """A batch norm's input. With ``fuse_bn_relu`` its encoding waits for a ReLU that may follow (see
@@ -166,11 +224,17 @@ class SavePolicy:
         """Compress ``x`` for a layer of ``kind``, or reuse what was saved for the very same tensor."""
         if kind != "bn" or split is None:
             self.flush()
-        fused = self._linked(x, BnReluInput) if kind == "conv" and self.fuse_bn_relu else None
+        fused = self._linked(x, (BnReluInput, ResidualReluInput)) if kind == "conv" and self.fuse_bn_relu else None
         if fused is not None:
-            self.fused[layer] = fused.bn.layer
-            self.records.append(SaveRecord(layer, kind, "bn-relu recompute", tuple(x.shape),
-                                           x.numel() * x.element_size(), fp_key=self.ids(x), shared=True))
+            residual = isinstance(fused, ResidualReluInput)
+            if residual:
+                self.residual[layer] = self._describe(fused)
+            else:
+                self.fused[layer] = fused.bn.layer
+            self._rebuilt_by.setdefault(id(fused), layer)
+            self.records.append(SaveRecord(layer, kind, "residual recompute" if residual else "bn-relu recompute",
+                                           tuple(x.shape), x.numel() * x.element_size(), fp_key=self.ids(x),
+                                           shared=True))
             return fused
         hit = self._lookup(x)
         packed = hit[1] if hit is not None else None
@@ -196,6 +260,7 @@ class SavePolicy:
             record.backend = "" if packed.backend == "none" else packed.backend
             record.held = [(storage_key(t), t.untyped_storage().nbytes()) for t in packed.tensors() if t is not None]
             self._cache[self._key(x)] = (weakref.ref(x), packed, mask)
+            self._codes_site[id(packed)] = f"{layer}:{kind}"
         self.records.append(record)
         use_mask = mask if (self.reuse_relu_mask and packed.kind not in ("full", "input", "exact")
                             and not isinstance(packed, ReluCompacted)) else None

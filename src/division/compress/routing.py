@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from division.compress.attention import AttentionMode
+from division.compress.fused import ResidualMode
 from division.compress.linear import _Conv2dFn, _LinearFn
 from division.compress.norm import _BatchNorm2dFn, _LayerNormFn, _SyncBatchNorm2dFn
 from division.compress.pointwise import _DropoutFn, _GeluFn, _ReLUFn
@@ -173,10 +174,13 @@ def install(model: nn.Module, policy: SavePolicy, routes=None) -> List[str]:
     def begin(mod, args, kwargs):
         policy.begin_forward((*args, *kwargs.values()),
                              training=mod.training and torch.is_grad_enabled() and policy.enabled)
-        if has_attention and "attn" in policy.kinds and mod.training and torch.is_grad_enabled() and policy.enabled:
-            mode = AttentionMode(policy)
+        active = mod.training and torch.is_grad_enabled() and policy.enabled
+        if has_attention and "attn" in policy.kinds and active:
+            modes.append(AttentionMode(policy))
+        if policy.fuse_residual and active:  # notes additions (compress/fused.py): a Python call per op
+            modes.append(ResidualMode(policy))
+        for mode in modes:
             mode.__enter__()
-            modes.append(mode)
 
     def end(mod, args, out):
         while modes:

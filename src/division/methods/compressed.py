@@ -23,12 +23,12 @@ class PolicyMethod(Method, metaclass=ABCMeta):
 
     def __init__(self, name=None, layers=compress.LAYER_KINDS, reuse_relu_mask: bool = False,
                  backend: str = "auto", fuse_bn_relu: bool = False, keep_input: bool = False,
-                 compact_relu: bool = False):
+                 compact_relu: bool = False, fuse_residual: bool = False):
         super().__init__(name)
         self.layers = compress.check_layer_kinds(layers)
         self.backend = backend
         self.policy = compress.SavePolicy(self.choose, self.layers, reuse_relu_mask, backend, fuse_bn_relu,
-                                          keep_input, compact_relu)
+                                          keep_input, compact_relu, fuse_residual)
 
     @abstractmethod
     def choose(self, kind: str, x: torch.Tensor, split=None):
@@ -109,7 +109,7 @@ class Division(PolicyMethod):
                  fuse_bn_relu: bool = False, stat_dtype: str = "fp32", small_map_elems: int = 0,
                  small_map_group: int = 256, keep_input: bool = False, single_block_lfc: bool = True,
                  compact_relu: bool = False, budget=None, budget_refresh: int = 0, budget_probe: bool = True,
-                 budget_groups: bool = True):
+                 budget_groups: bool = True, fuse_residual: bool = False, budget_residual: bool = True):
         if not isinstance(single_block_lfc, bool):
             raise ValueError(f"single_block_lfc={single_block_lfc!r} is invalid; valid choices: [True, False]")
         plain = PerChannelCodec(hfc_bits, stochastic, min_numel, backend, stat_dtype)
@@ -121,18 +121,20 @@ class Division(PolicyMethod):
             raise ValueError(f"small_map_elems={small_map_elems!r} is invalid; it must be an integer >= 0 (0: off)")
         self.small_map_elems = small_map_elems
         self.small_codec = GroupwiseCodec(hfc_bits, small_map_group, stochastic, backend, stat_dtype)
-        super().__init__(name, layers, reuse_relu_mask, backend, fuse_bn_relu, keep_input, compact_relu)
+        super().__init__(name, layers, reuse_relu_mask, backend, fuse_bn_relu, keep_input, compact_relu,
+                         fuse_residual)
         self.notes = ["maps with 1x1 spatial size, fewer than min_numel elements, and 2-D inputs are held in "
                       "bf16; token tensors use the patch grid (prefix tokens in bf16) or pool along tokens"]
         self._init_budget(budget, budget_refresh, lfc_dtype, min_numel, stochastic, backend, stat_dtype,
-                          single_block_lfc, budget_probe, budget_groups)
+                          single_block_lfc, budget_probe, budget_groups, budget_residual)
 
     # --- method.budget: per-layer precision under a byte budget (division/budget.py) -------------------------
     def _init_budget(self, budget, refresh, lfc_dtype, min_numel, stochastic, backend, stat_dtype, single_block_lfc,
-                     budget_probe=True, budget_groups=True):
+                     budget_probe=True, budget_groups=True, budget_residual=True):
         from division import budget as budget_lib
         self.budget = None if budget in (None, "", "null") else budget_lib.parse_budget(budget)
-        for key, value in (("budget_probe", budget_probe), ("budget_groups", budget_groups)):
+        for key, value in (("budget_probe", budget_probe), ("budget_groups", budget_groups),
+                           ("budget_residual", budget_residual)):
             if not isinstance(value, bool):
                 raise ValueError(f"{key}={value!r} is invalid; valid choices: [True, False]")
         if isinstance(refresh, bool) or not isinstance(refresh, int) or refresh < 0:
@@ -149,6 +151,8 @@ class Division(PolicyMethod):
         if self.budget is not None:
             self.policy.on_begin = self._on_forward
             self.policy.compact_relu = True  # fewer bytes at the same error: the better choice at every site
+            # residual blocks' outputs rebuilt (with fuse_bn_relu): their codes' bytes go to other layers
+            self.policy.fuse_residual = self.policy.fuse_residual or (budget_residual and self.policy.fuse_bn_relu)
             self.notes.append(f"method.budget={budget}: each 4-D activation's HFC bits and block size (or groups, "
                               "a bf16 copy, or the activation held exactly) chosen per layer to fit the budget "
                               "(method_info.budget_plan); ReLU outputs' codes compacted to their positive elements")
@@ -203,10 +207,12 @@ class Division(PolicyMethod):
                 del loss
                 self._observer.close()
                 records, fused = list(self.policy.records), dict(self.policy.fused)
+                residual = dict(self.policy.residual)
                 if self.budget_probe:
                     start = time.perf_counter()
                     with self.bypassed():
-                        self._sensitivity = probe_sensitivities(model, run_forward, self._observer.sites, fused)
+                        self._sensitivity = probe_sensitivities(model, run_forward, self._observer.sites, fused,
+                                                                residual)
                     self._observer.seconds += time.perf_counter() - start
             records_total = sum({k: n for r in records for k, n in r.held}.values())
             self._outside_bytes = max(0, acc.report.held_bytes - records_total)
