@@ -272,3 +272,16 @@ def test_probe_follows_residual_rebuilds_through_the_chain():
     assert chained >= 6
     model, method, *_ = _calibrated("division_plus", "16x", budget_residual=False)
     assert not method.policy.fuse_residual
+
+
+def test_plan_counts_a_relu_mask_once_whatever_the_choice():
+    """A ReLU's mask is held by the ReLU; a site's codes may use it as their split (a fused batch norm's input, a
+    compacted ReLU output) or not (an exact copy, a bf16 copy). The plan counts it with the ReLU's record, so
+    what a step holds equals the plan when the choices do not use the masks the observed step's defaults did
+    (division_plus with every site exact: before, the masks went uncounted and the step held more than planned)."""
+    model, method, plan, x, y, state = _calibrated("division_plus", "1000MiB")
+    assert {r["choice"] for r in plan.describe()["layers"]} == {"exact"}
+    with method.accounting(model) as acc:
+        _, loss = engine._forward(model, x, y, state)()
+    loss.backward()
+    assert acc.report.held_bytes == plan.planned_bytes - plan.headroom_bytes

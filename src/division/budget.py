@@ -62,7 +62,8 @@ def parse_budget(text) -> tuple:
 
 # A ReLU output's compacted codes cover its positive elements, a count that varies from batch to batch: the
 # plan charges each compacted candidate the codes of this fraction of the map's elements more than it saw, so
-# that another batch still fits (ResNet-50 at 224, batch 10: 0.35 % over the budget on other batches without it)
+# that another batch still fits (a margin: two random batches on ResNet-50 differed by 0.0001 %; real images, and
+# training moving the weights, vary more)
 COMPACT_HEADROOM = 0.02
 
 
@@ -203,8 +204,17 @@ def measure_options(x: torch.Tensor, candidates, split=None, finish=None) -> Lis
         if isinstance(packed, ReluCompacted):
             q = getattr(packed.inner, packed.part)
             headroom = math.ceil(COMPACT_HEADROOM * q.rows * q.row_len * q.bits / 8)
-        options.append(Option(name, codec, packed.nbytes(), _variance(packed, x), headroom))
+        options.append(Option(name, codec, _own_nbytes(packed, split), _variance(packed, x), headroom))
     return options
+
+
+def _own_nbytes(packed, split=None) -> int:
+    """The bytes an encoding adds: its storages without the split mask, which the ReLU that made it holds
+    anyway (and the plan counts once, with the ReLU's record, whichever option it chooses)."""
+    from division.codecs.base import storage_key
+    mask = None if split is None else storage_key(split.packed)
+    return sum({storage_key(t): t.untyped_storage().nbytes() for t in packed.tensors()
+                if t is not None and storage_key(t) != mask}.values())
 
 
 def _variance(packed, x) -> float:
@@ -462,15 +472,11 @@ def make_plan(observer: BudgetObserver, records, budget: tuple, fp_bytes: Option
     if kind == "ratio" and not fp_bytes:
         raise ValueError("a ratio budget needs the full-precision equivalent: calibrate the method first")
     budget_bytes = int(fp_bytes / value) if kind == "ratio" else int(value)
-    site_storages, other = set(), {}
+    other = {}  # storages of what no site holds (a ReLU's mask among them, though a site's codes use it as split)
     for r in records:
-        target = site_storages if site_key(r.layer, r.kind) in observer.sites and not r.shared else None
-        for skey, nbytes in r.held:
-            if target is not None:
-                target.add(skey)
-            else:
-                other[skey] = nbytes
-    fixed = sum(n for skey, n in other.items() if skey not in site_storages) + outside_bytes
+        if site_key(r.layer, r.kind) not in observer.sites or r.shared:
+            other.update(r.held)
+    fixed = sum(other.values()) + outside_bytes
     try:
         choices = allocate(observer.sites, budget_bytes - fixed)
     except _Infeasible:
