@@ -54,3 +54,14 @@ def real_data_dir():
         pytest.skip("DATA_DIR is unset or holds no cifar10_jpeg.tar.gz: set DATA_DIR=../shared/datasets "
                     "to run the real CIFAR-10 tests")
     return Path(data_dir)
+
+
+@pytest.fixture(autouse=True)
+def no_function_mode_left_active():
+    """A test must not leave a TorchFunctionMode entered (the method's attention or residual modes): one left
+    behind would change every later test's operations."""
+    from torch.overrides import _get_current_function_mode_stack
+    before = len(_get_current_function_mode_stack())
+    yield
+    left = _get_current_function_mode_stack()[before:]
+    assert not left, f"function modes left active: {left}"

@@ -175,12 +175,14 @@ def install(model: nn.Module, policy: SavePolicy, routes=None) -> List[str]:
         policy.begin_forward((*args, *kwargs.values()),
                              training=mod.training and torch.is_grad_enabled() and policy.enabled)
         active = mod.training and torch.is_grad_enabled() and policy.enabled
+        new = []
         if has_attention and "attn" in policy.kinds and active:
-            modes.append(AttentionMode(policy))
+            new.append(AttentionMode(policy))
         if policy.fuse_residual and active:  # notes additions (compress/fused.py): a Python call per op
-            modes.append(ResidualMode(policy))
-        for mode in modes:
+            new.append(ResidualMode(policy))
+        for mode in new:  # only this forward's: modes a forward still running entered stay entered once
             mode.__enter__()
+            modes.append(mode)
 
     def end(mod, args, out):
         while modes:
