@@ -211,10 +211,9 @@ def measure_options(x: torch.Tensor, candidates, split=None, finish=None) -> Lis
 def _own_nbytes(packed, split=None) -> int:
     """The bytes an encoding adds: its storages without the split mask, which the ReLU that made it holds
     anyway (and the plan counts once, with the ReLU's record, whichever option it chooses)."""
-    from division.codecs.base import storage_key
+    from division.codecs.base import storage_key, unique_nbytes
     mask = None if split is None else storage_key(split.packed)
-    return sum({storage_key(t): t.untyped_storage().nbytes() for t in packed.tensors()
-                if t is not None and storage_key(t) != mask}.values())
+    return unique_nbytes(t for t in packed.tensors() if t is not None and storage_key(t) != mask)
 
 
 def _variance(packed, x) -> float:

@@ -122,26 +122,6 @@ class FullCopy(Packed):
 
 
 @dataclass(eq=False)
-class InputReference(FullCopy):
-    """The model's input, held by reference: the caller keeps its batch through backward anyway, so holding it
-    exactly costs no memory, where codes for it would add some. Plain autograd's version check, kept: an
-    in-place change of the input after the forward is an error, not a silently wrong gradient."""
-
-    version: int = 0
-    kind = "input"
-
-    @classmethod
-    def encode(cls, x: torch.Tensor) -> "InputReference":
-        return cls(x, x._version)
-
-    def decode(self) -> torch.Tensor:
-        if self.data._version != self.version:
-            raise RuntimeError("the model's input was modified in place after the forward that saved it (version "
-                               f"{self.version} -> {self.data._version}); keep_input holds it by reference")
-        return self.data
-
-
-@dataclass(eq=False)
 class ExactReference(FullCopy):
     """An activation held exactly, by reference, as plain autograd holds it (a byte budget's "exact" choice):
     its storage stays alive, and counts, until backward. Plain autograd's version check, kept: an in-place
@@ -149,6 +129,8 @@ class ExactReference(FullCopy):
 
     version: int = 0
     kind = "exact"
+    what = "an activation held exactly"
+    hint = ""
 
     @classmethod
     def encode(cls, x: torch.Tensor, split=None) -> "ExactReference":
@@ -156,6 +138,16 @@ class ExactReference(FullCopy):
 
     def decode(self) -> torch.Tensor:
         if self.data._version != self.version:
-            raise RuntimeError(f"an activation held exactly was modified in place after the forward that saved it "
-                               f"(version {self.version} -> {self.data._version})")
+            raise RuntimeError(f"{self.what} was modified in place after the forward that saved it (version "
+                               f"{self.version} -> {self.data._version}){self.hint}")
         return self.data
+
+
+@dataclass(eq=False)
+class InputReference(ExactReference):
+    """The model's input, held by reference: the caller keeps its batch through backward anyway, so holding it
+    exactly costs no memory, where codes for it would add some (the version check as ExactReference's)."""
+
+    kind = "input"
+    what = "the model's input"
+    hint = "; keep_input holds it by reference"

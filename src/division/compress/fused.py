@@ -28,6 +28,10 @@ class BnOutput:
         beta = -mean.float() * alpha if bias is None else bias.detach().float() - mean.float() * alpha
         self.saved, self.alpha, self.beta, self.dtype, self.layer = saved, alpha, beta, dtype, layer
 
+    def affine(self, y: torch.Tensor) -> torch.Tensor:
+        """The batch norm's output rebuilt from (a decode of) its input ``y``, in float32."""
+        return torch.addcmul(self.beta[None, :, None, None], y.float(), self.alpha[None, :, None, None])
+
 
 class BnReluInput:
     """A convolution's input rebuilt in backward as mask * (y * alpha + beta) from the batch norm's saved
@@ -53,8 +57,7 @@ class BnReluInput:
                                 self.mask.packed.data_ptr(), y.shape[0] * y.shape[1], y.shape[1],
                                 y[0, 0].numel(), a.data_ptr(), torch.get_num_threads())
             return a.to(self.bn.dtype)
-        a = torch.addcmul(self.bn.beta[None, :, None, None], y.float(), self.bn.alpha[None, :, None, None])
-        return self.mask.apply(a).to(self.bn.dtype)
+        return self.mask.apply(self.bn.affine(y)).to(self.bn.dtype)
 
     def nbytes(self) -> int:
         return self.bn.alpha.untyped_storage().nbytes() + self.bn.beta.untyped_storage().nbytes()
@@ -90,7 +93,7 @@ class ResidualReluInput:
         y = bn.saved.decode()
         if keep:
             bn.saved.keep_decoded(y)
-        a = torch.addcmul(bn.beta[None, :, None, None], y.float(), bn.alpha[None, :, None, None])
+        a = bn.affine(y)
         a += rebuild(self.sum.other).float()
         return self.mask.apply(a).to(self.dtype)
 
@@ -102,8 +105,7 @@ def rebuild(source) -> torch.Tensor:
     """A shortcut's value in backward: a batch norm's output (its affine map of the saved input), a rebuilt
     ReLU output (without handing decodes on), or held codes."""
     if isinstance(source, BnOutput):
-        y = source.saved.decode()
-        return torch.addcmul(source.beta[None, :, None, None], y.float(), source.alpha[None, :, None, None])
+        return source.affine(source.saved.decode())
     if isinstance(source, (BnReluInput, ResidualReluInput)):
         return source.decode(keep=False)
     return source.decode()
