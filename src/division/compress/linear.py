@@ -2,15 +2,26 @@
 import torch
 import torch.nn.functional as F
 
+from division.compress.policy import Saved
+
 def _cast(t, dtype):
     return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def _save_input(policy, x, weight, kind, layer):
+    """The input, kept for the weight gradient only: a frozen weight's layer keeps nothing of it (the input
+    gradient needs the weight and the input's shape alone), where plain autograd holds the whole input."""
+    if weight.requires_grad:
+        return policy.save(x, kind, layer)
+    policy.save_nothing(kind, layer, x.shape, x.numel() * x.element_size(), fp_key=policy.ids(x))
+    return Saved(None, None, tuple(x.shape))
 
 
 class _Conv2dFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, stride, padding, dilation, groups, policy, layer):
         out = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
-        ctx.saved = policy.save(x, "conv", layer)
+        ctx.saved = _save_input(policy, x, weight, "conv", layer)
         ctx.conf = (stride, padding, dilation, groups, x.dtype, out.dtype, bias is not None)
         ctx.save_for_backward(weight)
         return out
@@ -31,10 +42,12 @@ class _Conv2dFn(torch.autograd.Function):
         per_sample = _runs_per_sample(grad, pointwise)
         need_w, need_b = ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]
         gw = gb = gx = None
-        if need_w or need_b:
+        if need_b and not need_w:  # a frozen weight's layer kept no input: the bias gradient needs none
+            gb = grad.sum((0, 2, 3))
+        elif need_w:
             x = ctx.saved.decode().to(dtype)
             if per_sample:
-                gw = _pointwise_weight_grad(x, grad, stride) if need_w else None
+                gw = _pointwise_weight_grad(x, grad, stride)
                 gb = grad.sum((0, 2, 3)) if need_b else None
             else:
                 _, gw, gb = torch.ops.aten.convolution_backward(
@@ -105,7 +118,7 @@ class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, policy, layer):
         out = F.linear(x, weight, bias)
-        ctx.saved = policy.save(x, "linear", layer)
+        ctx.saved = _save_input(policy, x, weight, "linear", layer)
         ctx.conf = (x.dtype, out.dtype, bias is not None)
         ctx.save_for_backward(weight)
         return out

@@ -109,8 +109,13 @@ def _gelu(m, x, policy, name, plain):
 
 
 def _training_step(module, x, policy) -> bool:
+    """A training forward whose backward needs this layer: its input or one of its own parameters requires a
+    gradient. A layer outside the graph (a frozen stem fed the batch, whatever follows it while nothing
+    requires a gradient) runs its own forward and keeps nothing, as plain autograd does, instead of encoding
+    codes that no backward reads."""
     return (policy.enabled and module.training and torch.is_grad_enabled() and isinstance(x, torch.Tensor)
-            and x.is_floating_point())
+            and x.is_floating_point()
+            and (x.requires_grad or any(p.requires_grad for p in module.parameters(recurse=False))))
 
 
 _COVERED = (
