@@ -173,6 +173,76 @@ def test_compiled_division_uses_the_kernel_operators_on_the_cpu():
     plans = [p for p in method.saved_tensor_route.plans.values() if p.action == "encode"]
     kernels_built = __import__("division.kernels", fromlist=["available"]).available()
     assert plans and all(p.kernel == kernels_built for p in plans)
+    # the route makes the model channels-last on a CPU: every map the graph computes (8 channels: whole bytes
+    # per sample) goes through the channels-last operators, none is copied to NCHW for them; the batch itself
+    # (a graph input, NCHW) through the NCHW ones
+    inner = [p for p in plans if p.producer.startswith("aten.")]
+    assert len(inner) == 9 and all(p.channels_last == kernels_built for p in inner)  # 5 conv, 4 ReLU outputs
+    assert not any(p.channels_last for p in plans if p not in inner)
+    assert next(model.parameters()).is_contiguous(memory_format=torch.channels_last)
+
+
+def _kernels_or_skip():
+    from division.compress import ops  # noqa: F401  (registers the operators)
+    if not __import__("division.kernels", fromlist=["available"]).available():
+        pytest.skip("no C compiler: the kernel operators are not used")
+
+
+@pytest.mark.parametrize("shape,block", [((2, 16, 14, 14), 8), ((3, 8, 7, 7), 8), ((2, 24, 31, 31), 16),
+                                         ((1, 8, 20, 13), 8)])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_channels_last_operators_encode_as_the_nchw_ones(shape, block, bits):
+    """Values that are multiples of 1/8 below 8 in size: every block sum is exact in float32 whatever the
+    order of the additions, so the channels-last kernel (channels in the vector lanes) and the NCHW one
+    (maps in the lanes) must agree bit for bit: LFC, statistics, rebuilt maps (nearest rounding). The codes
+    follow each layout's memory order; the fake implementations give the real outputs' shapes, dtypes and
+    strides (opcheck)."""
+    _kernels_or_skip()
+    n, c, h, w = shape
+    x = torch.randint(-64, 64, shape, generator=torch.Generator().manual_seed(0)).float() / 8
+    x_cl = x.contiguous(memory_format=torch.channels_last)
+    ops = torch.ops.division
+    nchw, cl = ops.encode_maps(x, bits, block, block, False), ops.encode_maps_cl(x_cl, bits, block, block, False)
+    for a, b in zip([nchw[0], nchw[2], nchw[3]], [cl[0], cl[2], cl[3]]):
+        assert torch.equal(a, b)
+    back = ops.decode_maps_cl(*cl, bits, h, w, block, block)
+    assert back.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(back, ops.decode_maps(*nchw, bits, h, w, block, block))
+    torch.library.opcheck(ops.encode_maps_cl.default, (x_cl, bits, block, block, False))
+    torch.library.opcheck(ops.decode_maps_cl.default, (*cl, bits, h, w, block, block))
+
+
+def test_channels_last_stochastic_rounding_is_unbiased():
+    """2-bit codes, 400 encodes: the mean rebuilt map is within 6 standard errors of the map (each draw errs by
+    at most one step, so its standard deviation is at most half a step; the mean's, that over 20)."""
+    _kernels_or_skip()
+    x = torch.randn(2, 8, 16, 16, generator=torch.Generator().manual_seed(4)).contiguous(
+        memory_format=torch.channels_last)
+    ops = torch.ops.division
+    total = torch.zeros_like(x)
+    for _ in range(400):
+        parts = ops.encode_maps_cl(x, 2, 8, 8, True)
+        total += ops.decode_maps_cl(*parts, 2, 16, 16, 8, 8)
+    step = parts[3].view(2, 8, 1, 1)
+    assert bool(((total / 400 - x).abs() <= 6 * step / 2 / 20).all())
+
+
+def test_channels_last_operators_keep_nan_to_its_map_and_relu_signs_exact():
+    _kernels_or_skip()
+    ops = torch.ops.division
+    x = torch.randn(2, 8, 16, 16, generator=torch.Generator().manual_seed(5)).contiguous(
+        memory_format=torch.channels_last)
+    bad = x.clone()
+    bad[1, 3, 3, 5] = float("nan")
+    clean = ops.decode_maps_cl(*ops.encode_maps_cl(x, 4, 8, 8, False), 4, 16, 16, 8, 8)
+    back = ops.decode_maps_cl(*ops.encode_maps_cl(bad, 4, 8, 8, False), 4, 16, 16, 8, 8)
+    keep = torch.ones(2, 8, dtype=torch.bool)
+    keep[1, 3] = False
+    assert torch.isnan(back[1, 3]).all() and torch.equal(back[keep], clean[keep])
+    r = torch.relu(x)
+    eps = torch.finfo(torch.float32).eps
+    out = ops.decode_relu_maps_cl(*ops.encode_maps_cl(r, 2, 8, 8, True), ops.relu_signs_cl(r), 2, 16, 16, 8, 8, eps)
+    assert torch.equal(out > 0, r > 0) and bool((out[r > 0] >= eps).all()) and bool((out[r <= 0] == 0).all())
 
 
 def test_relu_maps_come_back_with_their_exact_mask_and_no_denormals():
@@ -203,9 +273,9 @@ def test_traced_codec_encodes_a_map_only_where_it_takes_fewer_bytes_than_bf16(h,
     assert TracedCodec(bits=bits).pays_off(h, w) is pays
 
 
-def test_cpu_graph_route_keeps_nchw_layouts_while_compiling():
-    """On a CPU the route compiles with Inductor's layout optimisation off (the C kernel's maps are NCHW:
-    channels-last graphs copied every saved map and slowed every convolution backward) and only there."""
+def test_cpu_graph_route_keeps_its_layouts_while_compiling():
+    """On a CPU the route makes the model channels-last itself and compiles with Inductor's layout
+    optimisation off, so that the layouts the hooks planned for are the ones the graph runs, and only there."""
     import torch._inductor.config as inductor_config
     model, method = small_net(), build({"name": "division"})
     method.prepare(model)

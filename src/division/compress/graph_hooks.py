@@ -179,15 +179,18 @@ def decode(codec: TracedCodec, parts, shape) -> torch.Tensor:
     return dequantize_rows(packed, low, scale, codec.bits, codec.group).view(n, -1)[:, :c * h * w].reshape(shape)
 
 
-def encode_with_kernel(codec: TracedCodec, x: torch.Tensor):
-    """DIVISION through the fused C kernel, one custom operator (compress/ops.py)."""
+def encode_with_kernel(codec: TracedCodec, x: torch.Tensor, channels_last: bool = False):
+    """DIVISION through the fused C kernel, one custom operator (compress/ops.py); ``channels_last``: the
+    kernel for maps laid out (N, H, W, C), codes in that order."""
     bh, bw = lfc_blocks(x.shape[2], x.shape[3], codec.block)
-    return torch.ops.division.encode_maps(x, codec.bits, bh, bw, codec.stochastic)
+    op = torch.ops.division.encode_maps_cl if channels_last else torch.ops.division.encode_maps
+    return op(x, codec.bits, bh, bw, codec.stochastic)
 
 
-def decode_with_kernel(codec: TracedCodec, parts, shape) -> torch.Tensor:
+def decode_with_kernel(codec: TracedCodec, parts, shape, channels_last: bool = False) -> torch.Tensor:
     h, w = shape[2], shape[3]
-    return torch.ops.division.decode_maps(*parts, codec.bits, h, w, *lfc_blocks(h, w, codec.block))
+    op = torch.ops.division.decode_maps_cl if channels_last else torch.ops.division.decode_maps
+    return op(*parts, codec.bits, h, w, *lfc_blocks(h, w, codec.block))
 
 
 RELUS = {"aten.relu.default"}
@@ -214,6 +217,7 @@ class Plan:
     action: str  # "encode" | "bits" (a boolean mask) | "bf16" | "keep"
     sign: bool = False
     kernel: bool = False  # encoded by the C kernel's operators (their layout), not the traced ops
+    channels_last: bool = False  # by the kernel's operators for maps laid out (N, H, W, C)
     fp_bytes: int = 0
     held_bytes: int = 0
     users: List[str] = field(default_factory=list)
@@ -321,9 +325,11 @@ class GraphCodecHooks:
             parts = (x.to(torch.bfloat16),)
         elif plan.action == "encode":
             plan.kernel = self.codec.cpu_kernel and ops.available(x, self.codec)
-            parts = encode_with_kernel(self.codec, x) if plan.kernel else encode(self.codec, x)
+            plan.channels_last = plan.kernel and ops.nhwc_supported(x)
+            parts = encode_with_kernel(self.codec, x, plan.channels_last) if plan.kernel else encode(self.codec, x)
             if plan.sign:
-                parts = (*parts, torch.ops.division.relu_signs(x) if plan.kernel_signs else pack_bools(x > 0))
+                signs = torch.ops.division.relu_signs_cl if plan.channels_last else torch.ops.division.relu_signs
+                parts = (*parts, signs(x) if plan.kernel_signs else pack_bools(x > 0))
         else:
             return x
         plan.held_bytes = nbytes_of(parts)
@@ -340,11 +346,14 @@ class GraphCodecHooks:
             return packed[0].to(plan.dtype)
         if plan.kernel_signs:
             h, w = plan.shape[2], plan.shape[3]
-            return torch.ops.division.decode_relu_maps(*packed, self.codec.bits, h, w,
-                                                       *lfc_blocks(h, w, self.codec.block),
-                                                       float(torch.finfo(plan.dtype).eps)).to(plan.dtype)
+            op = torch.ops.division.decode_relu_maps_cl if plan.channels_last else torch.ops.division.decode_relu_maps
+            return op(*packed, self.codec.bits, h, w, *lfc_blocks(h, w, self.codec.block),
+                      float(torch.finfo(plan.dtype).eps)).to(plan.dtype)
         parts = packed[:-1] if plan.sign else packed
-        x = (decode_with_kernel if plan.kernel else decode)(self.codec, parts, plan.shape)
+        if plan.kernel:
+            x = decode_with_kernel(self.codec, parts, plan.shape, plan.channels_last)
+        else:
+            x = decode(self.codec, parts, plan.shape)
         if plan.sign:
             x = with_signs(x, unpack_bools(packed[-1], plan.shape), plan.dtype, plan.relu)
         return x.to(plan.dtype)

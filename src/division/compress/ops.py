@@ -70,7 +70,7 @@ def encode_maps(x: Tensor, bits: int, bh: int, bw: int, stochastic: bool) -> Tup
 
 
 @encode_maps.register_fake
-def _(x, bits, bh, bw, stochastic):
+def _encode_fake(x, bits, bh, bw, stochastic):
     n, c, h, w = x.shape
     lfc = x.new_empty(_lfc_shape(x, bh, bw), dtype=torch.bfloat16)
     packed = x.new_empty((packed_nbytes(n * c * h * w, bits),), dtype=torch.uint8)
@@ -100,3 +100,106 @@ def available(x: Tensor, codec) -> bool:
         return False
     from division import kernels
     return kernels.library() is not None
+
+
+# --- channels-last maps (memory order N, H, W, C) -------------------------------------------------------------
+# A compiled graph on a CPU runs its convolutions channels-last; the operators below keep such maps in that
+# order (kernels/nhwc_cpu.c), where the ones above would need every saved map copied to (N, C, H, W) and every
+# decoded one copied back. Their codes follow the memory order; the LFC is (N, C, H/bh, W/bw) as above.
+
+def is_channels_last(x: Tensor) -> bool:
+    """A 4-D tensor laid out channels-last and not also contiguous (a 1x1 map or one channel is both)."""
+    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+
+
+def nhwc_supported(x: Tensor) -> bool:
+    """Whether :func:`encode_maps_cl` takes ``x``: channels-last, one sample's codes in whole bytes."""
+    n, c, h, w = x.shape
+    return is_channels_last(x) and (h * w * c) % 8 == 0
+
+
+def _nhwc_encode(lib, x: Tensor, bits: int, bh: int, bw: int, stochastic: bool):
+    from division.codecs.base import rounding_seed
+    n, c, h, w = x.shape
+    lfc = torch.empty(_lfc_shape(x, bh, bw), dtype=torch.bfloat16)
+    packed = torch.empty((packed_nbytes(x.numel(), bits),), dtype=torch.uint8)
+    minimum, scale = torch.empty(n * c, dtype=torch.float32), torch.empty(n * c, dtype=torch.float32)
+    seed = rounding_seed() if stochastic else 0
+    bad = lib.division_encode_nhwc(x.data_ptr(), n, h, w, c, bh, bw, bits, seed, int(stochastic), lfc.data_ptr(),
+                                   minimum.data_ptr(), scale.data_ptr(), packed.data_ptr(), torch.get_num_threads())
+    if bad < 0:
+        raise MemoryError(f"division::encode_maps_cl could not encode a {tuple(x.shape)} map (out of memory)")
+    return bad, (lfc, packed, minimum, scale)
+
+
+@torch.library.custom_op("division::encode_maps_cl", mutates_args=(), device_types="cpu")
+def encode_maps_cl(x: Tensor, bits: int, bh: int, bw: int, stochastic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`encode_maps` for a channels-last ``x`` (see :func:`nhwc_supported`), codes in its memory order;
+    maps holding NaN or Inf decode to NaN throughout, as there."""
+    from division import kernels
+    lib = kernels.library()
+    xc = x.float().contiguous(memory_format=torch.channels_last)
+    bad, parts = _nhwc_encode(lib, xc, bits, bh, bw, stochastic)
+    if bad:
+        finite = torch.isfinite(xc)
+        bad_maps = ~finite.all(3).all(2).reshape(-1)
+        xc = torch.where(finite, xc, torch.zeros((), dtype=xc.dtype)).contiguous(memory_format=torch.channels_last)
+        parts = _nhwc_encode(lib, xc, bits, bh, bw, stochastic)[1]
+        parts = (*parts[:2], parts[2].masked_fill(bad_maps, float("nan")), parts[3])
+    return parts
+
+
+encode_maps_cl.register_fake(_encode_fake)
+
+
+def _channels_last_empty(lfc: Tensor, h: int, w: int) -> Tensor:
+    return torch.empty((lfc.shape[0], lfc.shape[1], h, w), dtype=torch.float32, device=lfc.device,
+                       memory_format=torch.channels_last)
+
+
+@torch.library.custom_op("division::decode_maps_cl", mutates_args=(), device_types="cpu")
+def decode_maps_cl(lfc: Tensor, packed: Tensor, minimum: Tensor, scale: Tensor, bits: int, h: int, w: int,
+                   bh: int, bw: int) -> Tensor:
+    """Inverse of :func:`encode_maps_cl`: float32 (N, C, H, W), channels-last."""
+    from division import kernels
+    out = _channels_last_empty(lfc, h, w)
+    n, c = lfc.shape[:2]
+    failed = kernels.library().division_decode_nhwc(packed.data_ptr(), lfc.data_ptr(), minimum.data_ptr(),
+                                                    scale.data_ptr(), n, h, w, c, bh, bw, bits, out.data_ptr(),
+                                                    torch.get_num_threads())
+    if failed:
+        raise MemoryError(f"division::decode_maps_cl could not decode a {tuple(out.shape)} map (out of memory)")
+    return out
+
+
+@decode_maps_cl.register_fake
+def _(lfc, packed, minimum, scale, bits, h, w, bh, bw):
+    return _channels_last_empty(lfc, h, w)
+
+
+@torch.library.custom_op("division::relu_signs_cl", mutates_args=(), device_types="cpu")
+def relu_signs_cl(x: Tensor) -> Tensor:
+    """:func:`relu_signs` of a channels-last ``x``, bits in its memory order."""
+    from division.codecs.exact import BitMask
+    return BitMask.positive(x.float().permute(0, 2, 3, 1), backend="compiled").packed
+
+
+@relu_signs_cl.register_fake
+def _(x):
+    return x.new_empty((packed_nbytes(x.numel(), 1),), dtype=torch.uint8)
+
+
+@torch.library.custom_op("division::decode_relu_maps_cl", mutates_args=(), device_types="cpu")
+def decode_relu_maps_cl(lfc: Tensor, packed: Tensor, minimum: Tensor, scale: Tensor, signs: Tensor, bits: int,
+                        h: int, w: int, bh: int, bw: int, floor: float) -> Tensor:
+    """:func:`decode_relu_maps` for channels-last maps (signs from :func:`relu_signs_cl`)."""
+    from division.codecs.exact import BitMask
+    x = decode_maps_cl(lfc, packed, minimum, scale, bits, h, w, bh, bw).clamp_min_(floor)
+    nhwc = x.permute(0, 2, 3, 1)  # the memory order, contiguous: the mask applies in place
+    BitMask(signs, nhwc.shape, "compiled").apply(nhwc, inplace=True)
+    return x
+
+
+@decode_relu_maps_cl.register_fake
+def _(lfc, packed, minimum, scale, signs, bits, h, w, bh, bw, floor):
+    return _channels_last_empty(lfc, h, w)

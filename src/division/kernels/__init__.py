@@ -12,7 +12,8 @@ import threading
 import warnings
 from pathlib import Path
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("division_cpu.c", "masks_cpu.c", "pool_cpu.c", "compact_cpu.c")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("division_cpu.c", "nhwc_cpu.c", "masks_cpu.c", "pool_cpu.c",
+                                                             "compact_cpu.c")]
 _HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")  # part of the cache key
 _LOCK = threading.Lock()
@@ -64,6 +65,10 @@ def _build() -> ctypes.CDLL:
     lib.pack_codes.restype = None
     lib.division_decode.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i32, p, i32, p, i32]
     lib.division_decode.restype = i32
+    lib.division_encode_nhwc.argtypes = [p, i64, i64, i64, i64, i64, i64, i32, u64, i32, p, p, p, p, i32]
+    lib.division_encode_nhwc.restype = i32
+    lib.division_decode_nhwc.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i64, i32, p, i32]
+    lib.division_decode_nhwc.restype = i32
     lib.mask_positive.argtypes = [p, i64, p, i32]
     lib.mask_positive.restype = None
     lib.mask_apply.argtypes = [p, p, i64, p, i32]

@@ -64,6 +64,10 @@ class PolicyMethod(Method, metaclass=ABCMeta):
         codec = self.traced_codec()
         if codec is not None and graph_hooks.inlining_supported():
             on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+            if on_cpu:
+                # channels-last, as Inductor lays out a CPU graph's convolutions: the traced graph then saves
+                # maps in that order, which the kernel's channels-last operators keep without copies
+                model.to(memory_format=torch.channels_last)
             self.saved_tensor_route = graph_hooks.GraphCodecHooks(codec, keep_layouts=on_cpu)
             note = ("compiled: the codec runs inside the compiled graphs (saved-tensor hooks inlined by "
                     "AOTAutograd): encode at the forward's end, decode at the backward's start")

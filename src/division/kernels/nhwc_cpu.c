@@ -1,0 +1,172 @@
+/* DIVISION's codec for channels-last maps (memory order N, H, W, C), as a compiled graph on a CPU lays out
+ * its activations: the same quantities as division_cpu.c (LFC = block means rounded to bf16, HFC = x minus
+ * the upsampled LFC, a minimum and scale per (sample, channel) in fp32, stochastic rounding), computed with
+ * the channels as the vector lanes, so that no map is copied to (N, C, H, W) order and back. The LFC is
+ * written (N, C, H/bh, W/bw) as the NCHW kernel writes it; the codes follow the memory order (N, H, W, C),
+ * packed little end first, one sample's codes in whole bytes. OpenMP over samples. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bits.h"
+
+/* Returns the number of (sample, channel) maps holding a NaN or Inf (their codes are not written), or -1 when
+ * a sample's codes do not fill whole bytes or memory runs out (the caller takes another path). */
+int division_encode_nhwc(const float *x, int64_t n, int64_t h, int64_t w, int64_t c, int64_t bh, int64_t bw,
+                         int bits, uint64_t seed, int stochastic, uint16_t *lfc, float *minimum, float *scale,
+                         uint8_t *packed, int threads) {
+    const int shift = bits == 1 ? 3 : (bits == 2 ? 2 : (bits == 4 ? 1 : 0));
+    const int64_t hwc = h * w * c, hb = (h + bh - 1) / bh, wb = (w + bw - 1) / bw;
+    if (hwc & ((1 << shift) - 1)) return -1;
+    const float levels = (float)((1 << bits) - 1);
+    const int top = (int)levels;
+    int bad = 0, failed = 0;
+#pragma omp parallel num_threads(threads) reduction(+:bad, failed)
+    {
+        float *lf = malloc((size_t)(hb * wb * c) * sizeof(float));
+        float *acc = malloc((size_t)(wb * c) * sizeof(float));
+        float *mn = malloc((size_t)c * sizeof(float)), *mx = malloc((size_t)c * sizeof(float));
+        float *inv = malloc((size_t)c * sizeof(float));
+        uint8_t *cbuf = malloc((size_t)hwc);
+        uint16_t *rnd = malloc((size_t)(hwc + 1) / 2 * sizeof(uint32_t));
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < n; s++) {
+            if (!lf || !acc || !mn || !mx || !inv || !cbuf || !rnd) {
+                failed += 1;
+                continue;
+            }
+            const float *restrict xs = x + s * hwc;
+            for (int64_t i = 0; i < hb; i++) {  /* block means, channels in the lanes */
+                const int64_t r0 = i * bh, r1 = r0 + bh < h ? r0 + bh : h;
+                memset(acc, 0, (size_t)(wb * c) * sizeof(float));
+                for (int64_t r = r0; r < r1; r++)
+                    for (int64_t col = 0; col < w; col++) {
+                        float *restrict a = acc + (col / bw) * c;
+                        const float *restrict px = xs + (r * w + col) * c;
+#pragma omp simd
+                        for (int64_t ch = 0; ch < c; ch++) a[ch] += px[ch];
+                    }
+                for (int64_t j = 0; j < wb; j++) {
+                    const int64_t w0 = j * bw, w1 = w0 + bw < w ? w0 + bw : w;
+                    const float count = (float)((r1 - r0) * (w1 - w0));
+                    for (int64_t ch = 0; ch < c; ch++) {
+                        const uint16_t b = f32_to_bf16(acc[j * c + ch] / count);
+                        lfc[((s * c + ch) * hb + i) * wb + j] = b;
+                        lf[(i * wb + j) * c + ch] = bf16_to_f32(b);
+                    }
+                }
+            }
+            for (int64_t ch = 0; ch < c; ch++) {
+                mn[ch] = INFINITY;
+                mx[ch] = -INFINITY;
+            }
+            uint32_t nonfinite = 0;
+            for (int64_t r = 0; r < h; r++)  /* the HFC's range per channel */
+                for (int64_t col = 0; col < w; col++) {
+                    const float *restrict l = lf + ((r / bh) * wb + col / bw) * c;
+                    const float *restrict px = xs + (r * w + col) * c;
+#pragma omp simd reduction(|:nonfinite)
+                    for (int64_t ch = 0; ch < c; ch++) {
+                        const float v = px[ch] - l[ch];
+                        uint32_t u;
+                        memcpy(&u, &v, 4);
+                        nonfinite |= (u & 0x7F800000u) == 0x7F800000u;
+                        mn[ch] = v < mn[ch] ? v : mn[ch];
+                        mx[ch] = v > mx[ch] ? v : mx[ch];
+                    }
+                }
+            int bad_here = 0;
+            for (int64_t ch = 0; ch < c; ch++) {
+                const int ok = isfinite(mn[ch]) && isfinite(mx[ch]) && isfinite(mx[ch] - mn[ch]);
+                bad_here += !ok;
+                const float sc = ok ? (mx[ch] - mn[ch]) / levels : 0.0f;
+                minimum[s * c + ch] = mn[ch];
+                scale[s * c + ch] = sc;
+                inv[ch] = sc > 0.0f ? 1.0f / sc : 0.0f;
+            }
+            if (nonfinite && !bad_here) bad_here = 1;  /* an Inf - Inf hidden in a finite range cannot happen, but be safe */
+            if (bad_here) {
+                bad += bad_here;
+                continue;
+            }
+            if (stochastic)
+                rounding_draws((uint32_t)splitmix64(seed ^ (0xD1B54A32D192ED03ull * (uint64_t)(s + 1))), hwc, rnd);
+            for (int64_t r = 0; r < h; r++)  /* codes */
+                for (int64_t col = 0; col < w; col++) {
+                    const int64_t p = (r * w + col) * c;
+                    const float *restrict l = lf + ((r / bh) * wb + col / bw) * c;
+                    const float *restrict px = xs + p;
+                    uint8_t *restrict out = cbuf + p;
+                    if (stochastic) {
+                        const uint16_t *restrict r16 = rnd + p;
+#pragma omp simd
+                        for (int64_t ch = 0; ch < c; ch++) {
+                            const float u = ((float)r16[ch] + 0.5f) * (1.0f / 65536.0f);
+                            const float v = (px[ch] - l[ch] - mn[ch]) * inv[ch] + u;
+                            const int q = v > 0.0f ? (int)v : 0;  /* truncation == floor for v >= 0 */
+                            out[ch] = (uint8_t)(q < top ? q : top);
+                        }
+                    } else {
+#pragma omp simd
+                        for (int64_t ch = 0; ch < c; ch++) {
+                            const float v = (px[ch] - l[ch] - mn[ch]) * inv[ch] + 0.5f;
+                            const int q = v > 0.0f ? (int)v : 0;
+                            out[ch] = (uint8_t)(q < top ? q : top);
+                        }
+                    }
+                }
+            pack_aligned(cbuf, hwc, bits, packed + ((s * hwc) >> shift));
+        }
+        free(lf);
+        free(acc);
+        free(mn);
+        free(mx);
+        free(inv);
+        free(cbuf);
+        free(rnd);
+    }
+    return failed ? -1 : bad;
+}
+
+/* Inverse of division_encode_nhwc into ``out`` (memory order N, H, W, C). Returns -1 when memory runs out. */
+int division_decode_nhwc(const uint8_t *packed, const uint16_t *lfc, const float *minimum, const float *scale,
+                         int64_t n, int64_t h, int64_t w, int64_t c, int64_t bh, int64_t bw, int bits, float *out,
+                         int threads) {
+    const int shift = bits == 1 ? 3 : (bits == 2 ? 2 : (bits == 4 ? 1 : 0));
+    const int64_t hwc = h * w * c, hb = (h + bh - 1) / bh, wb = (w + bw - 1) / bw;
+    if (hwc & ((1 << shift) - 1)) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(+:failed)
+    {
+        float *base = malloc((size_t)(wb * c) * sizeof(float));
+        uint8_t *cbuf = malloc((size_t)hwc);
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < n; s++) {
+            if (!base || !cbuf) {
+                failed += 1;
+                continue;
+            }
+            unpack_aligned(packed + ((s * hwc) >> shift), hwc, bits, cbuf);
+            const float *restrict sc = scale + s * c;
+            for (int64_t i = 0; i < hb; i++) {
+                for (int64_t j = 0; j < wb; j++)  /* minimum + LFC of each block of this block row */
+                    for (int64_t ch = 0; ch < c; ch++)
+                        base[j * c + ch] = minimum[s * c + ch] + bf16_to_f32(lfc[((s * c + ch) * hb + i) * wb + j]);
+                const int64_t r1 = (i + 1) * bh < h ? (i + 1) * bh : h;
+                for (int64_t r = i * bh; r < r1; r++)
+                    for (int64_t col = 0; col < w; col++) {
+                        const int64_t p = s * hwc + (r * w + col) * c;
+                        const float *restrict b = base + (col / bw) * c;
+                        const uint8_t *restrict code = cbuf + (r * w + col) * c;
+                        float *restrict o = out + p;
+#pragma omp simd
+                        for (int64_t ch = 0; ch < c; ch++) o[ch] = b[ch] + (float)code[ch] * sc[ch];
+                    }
+            }
+        }
+        free(base);
+        free(cbuf);
+    }
+    return failed ? -1 : 0;
+}
