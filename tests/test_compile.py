@@ -227,7 +227,7 @@ def test_channels_last_stochastic_rounding_is_unbiased():
     assert bool(((total / 400 - x).abs() <= 6 * step / 2 / 20).all())
 
 
-def test_channels_last_operators_keep_nan_to_its_map_and_relu_signs_exact():
+def test_channels_last_operators_keep_nan_to_its_map():
     _kernels_or_skip()
     ops = torch.ops.division
     x = torch.randn(2, 8, 16, 16, generator=torch.Generator().manual_seed(5)).contiguous(
@@ -239,10 +239,24 @@ def test_channels_last_operators_keep_nan_to_its_map_and_relu_signs_exact():
     keep = torch.ones(2, 8, dtype=torch.bool)
     keep[1, 3] = False
     assert torch.isnan(back[1, 3]).all() and torch.equal(back[keep], clean[keep])
-    r = torch.relu(x)
+
+
+@pytest.mark.parametrize("channels", [8, 4])  # whole bytes of sign bits per pixel, and not
+def test_channels_last_relu_decode_applies_floor_and_mask_as_the_nchw_one(channels):
+    """The kernel applies a ReLU output's floor and exact mask as it decodes: positive (at least eps) exactly
+    where the output was, exactly 0 elsewhere, and (exact sums, nearest rounding) bit for bit what the NCHW
+    operator rebuilds."""
+    _kernels_or_skip()
+    ops = torch.ops.division
+    r = torch.relu(torch.randint(-64, 64, (2, channels, 16, 12), generator=torch.Generator().manual_seed(6)) / 8)
+    r_cl = r.contiguous(memory_format=torch.channels_last)
     eps = torch.finfo(torch.float32).eps
-    out = ops.decode_relu_maps_cl(*ops.encode_maps_cl(r, 2, 8, 8, True), ops.relu_signs_cl(r), 2, 16, 16, 8, 8, eps)
+    out = ops.decode_relu_maps_cl(*ops.encode_maps_cl(r_cl, 2, 8, 8, False), ops.relu_signs_cl(r_cl), 2, 16, 12,
+                                  8, 8, eps)
+    assert out.is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(out > 0, r > 0) and bool((out[r > 0] >= eps).all()) and bool((out[r <= 0] == 0).all())
+    nchw = ops.decode_relu_maps(*ops.encode_maps(r, 2, 8, 8, False), ops.relu_signs(r), 2, 16, 12, 8, 8, eps)
+    assert torch.equal(out, nchw)
 
 
 def test_relu_maps_come_back_with_their_exact_mask_and_no_denormals():

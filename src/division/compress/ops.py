@@ -157,19 +157,23 @@ def _channels_last_empty(lfc: Tensor, h: int, w: int) -> Tensor:
                        memory_format=torch.channels_last)
 
 
+def _nhwc_decode(lfc, packed, minimum, scale, bits, h, w, bh, bw, signs=None, floor=0.0) -> Tensor:
+    from division import kernels
+    out = _channels_last_empty(lfc, h, w)
+    n, c = lfc.shape[:2]
+    failed = kernels.library().division_decode_nhwc(
+        packed.data_ptr(), lfc.data_ptr(), minimum.data_ptr(), scale.data_ptr(), n, h, w, c, bh, bw, bits,
+        out.data_ptr(), torch.get_num_threads(), None if signs is None else signs.data_ptr(), floor)
+    if failed:
+        raise MemoryError(f"division::decode_maps_cl could not decode a {tuple(out.shape)} map (out of memory)")
+    return out
+
+
 @torch.library.custom_op("division::decode_maps_cl", mutates_args=(), device_types="cpu")
 def decode_maps_cl(lfc: Tensor, packed: Tensor, minimum: Tensor, scale: Tensor, bits: int, h: int, w: int,
                    bh: int, bw: int) -> Tensor:
     """Inverse of :func:`encode_maps_cl`: float32 (N, C, H, W), channels-last."""
-    from division import kernels
-    out = _channels_last_empty(lfc, h, w)
-    n, c = lfc.shape[:2]
-    failed = kernels.library().division_decode_nhwc(packed.data_ptr(), lfc.data_ptr(), minimum.data_ptr(),
-                                                    scale.data_ptr(), n, h, w, c, bh, bw, bits, out.data_ptr(),
-                                                    torch.get_num_threads())
-    if failed:
-        raise MemoryError(f"division::decode_maps_cl could not decode a {tuple(out.shape)} map (out of memory)")
-    return out
+    return _nhwc_decode(lfc, packed, minimum, scale, bits, h, w, bh, bw)
 
 
 @decode_maps_cl.register_fake
@@ -192,12 +196,9 @@ def _(x):
 @torch.library.custom_op("division::decode_relu_maps_cl", mutates_args=(), device_types="cpu")
 def decode_relu_maps_cl(lfc: Tensor, packed: Tensor, minimum: Tensor, scale: Tensor, signs: Tensor, bits: int,
                         h: int, w: int, bh: int, bw: int, floor: float) -> Tensor:
-    """:func:`decode_relu_maps` for channels-last maps (signs from :func:`relu_signs_cl`)."""
-    from division.codecs.exact import BitMask
-    x = decode_maps_cl(lfc, packed, minimum, scale, bits, h, w, bh, bw).clamp_min_(floor)
-    nhwc = x.permute(0, 2, 3, 1)  # the memory order, contiguous: the mask applies in place
-    BitMask(signs, nhwc.shape, "compiled").apply(nhwc, inplace=True)
-    return x
+    """:func:`decode_relu_maps` for channels-last maps (signs from :func:`relu_signs_cl`), the floor and the
+    mask applied by the kernel as it decodes."""
+    return _nhwc_decode(lfc, packed, minimum, scale, bits, h, w, bh, bw, signs, floor)
 
 
 @decode_relu_maps_cl.register_fake

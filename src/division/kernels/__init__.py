@@ -67,7 +67,7 @@ def _build() -> ctypes.CDLL:
     lib.division_decode.restype = i32
     lib.division_encode_nhwc.argtypes = [p, i64, i64, i64, i64, i64, i64, i32, u64, i32, p, p, p, p, i32]
     lib.division_encode_nhwc.restype = i32
-    lib.division_decode_nhwc.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i64, i32, p, i32]
+    lib.division_decode_nhwc.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i64, i32, p, i32, p, ctypes.c_float]
     lib.division_decode_nhwc.restype = i32
     lib.mask_positive.argtypes = [p, i64, p, i32]
     lib.mask_positive.restype = None

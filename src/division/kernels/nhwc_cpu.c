@@ -37,7 +37,12 @@ int division_encode_nhwc(const float *x, int64_t n, int64_t h, int64_t w, int64_
                 continue;
             }
             const float *restrict xs = x + s * hwc;
-            for (int64_t i = 0; i < hb; i++) {  /* block means, channels in the lanes */
+            for (int64_t ch = 0; ch < c; ch++) {
+                mn[ch] = INFINITY;
+                mx[ch] = -INFINITY;
+            }
+            uint32_t nonfinite = 0;
+            for (int64_t i = 0; i < hb; i++) {  /* one block row: its means, then (still in cache) its HFC's range */
                 const int64_t r0 = i * bh, r1 = r0 + bh < h ? r0 + bh : h;
                 memset(acc, 0, (size_t)(wb * c) * sizeof(float));
                 for (int64_t r = r0; r < r1; r++)
@@ -56,26 +61,21 @@ int division_encode_nhwc(const float *x, int64_t n, int64_t h, int64_t w, int64_
                         lf[(i * wb + j) * c + ch] = bf16_to_f32(b);
                     }
                 }
-            }
-            for (int64_t ch = 0; ch < c; ch++) {
-                mn[ch] = INFINITY;
-                mx[ch] = -INFINITY;
-            }
-            uint32_t nonfinite = 0;
-            for (int64_t r = 0; r < h; r++)  /* the HFC's range per channel */
-                for (int64_t col = 0; col < w; col++) {
-                    const float *restrict l = lf + ((r / bh) * wb + col / bw) * c;
-                    const float *restrict px = xs + (r * w + col) * c;
+                for (int64_t r = r0; r < r1; r++)
+                    for (int64_t col = 0; col < w; col++) {
+                        const float *restrict l = lf + (i * wb + col / bw) * c;
+                        const float *restrict px = xs + (r * w + col) * c;
 #pragma omp simd reduction(|:nonfinite)
-                    for (int64_t ch = 0; ch < c; ch++) {
-                        const float v = px[ch] - l[ch];
-                        uint32_t u;
-                        memcpy(&u, &v, 4);
-                        nonfinite |= (u & 0x7F800000u) == 0x7F800000u;
-                        mn[ch] = v < mn[ch] ? v : mn[ch];
-                        mx[ch] = v > mx[ch] ? v : mx[ch];
+                        for (int64_t ch = 0; ch < c; ch++) {
+                            const float v = px[ch] - l[ch];
+                            uint32_t u;
+                            memcpy(&u, &v, 4);
+                            nonfinite |= (u & 0x7F800000u) == 0x7F800000u;
+                            mn[ch] = v < mn[ch] ? v : mn[ch];
+                            mx[ch] = v > mx[ch] ? v : mx[ch];
+                        }
                     }
-                }
+            }
             int bad_here = 0;
             for (int64_t ch = 0; ch < c; ch++) {
                 const int ok = isfinite(mn[ch]) && isfinite(mx[ch]) && isfinite(mx[ch] - mn[ch]);
@@ -129,10 +129,12 @@ int division_encode_nhwc(const float *x, int64_t n, int64_t h, int64_t w, int64_
     return failed ? -1 : bad;
 }
 
-/* Inverse of division_encode_nhwc into ``out`` (memory order N, H, W, C). Returns -1 when memory runs out. */
+/* Inverse of division_encode_nhwc into ``out`` (memory order N, H, W, C). ``signs`` (or NULL): a ReLU output's
+ * exact mask, one bit per element in the same order: the value is at least ``floor`` where its bit is set and
+ * exactly 0 elsewhere, in the same pass. Returns -1 when memory runs out. */
 int division_decode_nhwc(const uint8_t *packed, const uint16_t *lfc, const float *minimum, const float *scale,
                          int64_t n, int64_t h, int64_t w, int64_t c, int64_t bh, int64_t bw, int bits, float *out,
-                         int threads) {
+                         int threads, const uint8_t *signs, float floor) {
     const int shift = bits == 1 ? 3 : (bits == 2 ? 2 : (bits == 4 ? 1 : 0));
     const int64_t hwc = h * w * c, hb = (h + bh - 1) / bh, wb = (w + bw - 1) / bw;
     if (hwc & ((1 << shift) - 1)) return -1;
@@ -140,10 +142,10 @@ int division_decode_nhwc(const uint8_t *packed, const uint16_t *lfc, const float
 #pragma omp parallel num_threads(threads) reduction(+:failed)
     {
         float *base = malloc((size_t)(wb * c) * sizeof(float));
-        uint8_t *cbuf = malloc((size_t)hwc);
+        uint8_t *cbuf = malloc((size_t)hwc), *bit = malloc((size_t)c + 8);
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < n; s++) {
-            if (!base || !cbuf) {
+            if (!base || !cbuf || !bit) {
                 failed += 1;
                 continue;
             }
@@ -160,13 +162,33 @@ int division_decode_nhwc(const uint8_t *packed, const uint16_t *lfc, const float
                         const float *restrict b = base + (col / bw) * c;
                         const uint8_t *restrict code = cbuf + (r * w + col) * c;
                         float *restrict o = out + p;
+                        if (signs && (c & 7) == 0) {  /* the pixel's bits are whole bytes: spread to 0/1 bytes */
+                            for (int64_t k = 0; k < c / 8; k++) {
+                                uint64_t t = (signs[(p >> 3) + k] * 0x0101010101010101ull) & 0x8040201008040201ull;
+                                t = ((t + 0x7F7F7F7F7F7F7F7Full) >> 7) & 0x0101010101010101ull;
+                                memcpy(bit + 8 * k, &t, 8);
+                            }
 #pragma omp simd
-                        for (int64_t ch = 0; ch < c; ch++) o[ch] = b[ch] + (float)code[ch] * sc[ch];
+                            for (int64_t ch = 0; ch < c; ch++) {
+                                const float v = b[ch] + (float)code[ch] * sc[ch];
+                                o[ch] = (v > floor ? v : floor) * (float)bit[ch];
+                            }
+                        } else if (signs) {
+                            for (int64_t ch = 0; ch < c; ch++) {
+                                const int64_t e = p + ch;
+                                const float v = b[ch] + (float)code[ch] * sc[ch];
+                                o[ch] = ((signs[e >> 3] >> (e & 7)) & 1) ? (v > floor ? v : floor) : 0.0f;
+                            }
+                        } else {
+#pragma omp simd
+                            for (int64_t ch = 0; ch < c; ch++) o[ch] = b[ch] + (float)code[ch] * sc[ch];
+                        }
                     }
             }
         }
         free(base);
         free(cbuf);
+        free(bit);
     }
     return failed ? -1 : 0;
 }
