@@ -300,3 +300,38 @@ def test_cpu_graph_route_keeps_its_layouts_while_compiling():
     with route.context():
         assert inductor_config.layout_optimization is False
     assert inductor_config.layout_optimization == before
+
+
+@pytest.mark.parametrize("name,channels_last", [("division", True), ("actnn", False)])
+def test_cpu_route_turns_the_model_channels_last_only_for_the_kernel_codec(name, channels_last):
+    """DIVISION's maps go through the channels-last kernel operators; ActNN's groups run along NCHW order
+    (its traced codec would copy every channels-last map: 0.41 of compiled fp's speed on resnet20 became 0.32)."""
+    kernels_built = __import__("division.kernels", fromlist=["available"]).available()
+    model, method = small_net(), build({"name": name})
+    method.prepare(model)
+    api.compile_model(model, method)
+    weight = model[0].weight
+    assert weight.is_contiguous(memory_format=torch.channels_last) == (channels_last and kernels_built)
+    assert weight.is_contiguous() == (not (channels_last and kernels_built))
+
+
+def test_compiled_actnn_runs_the_group_kernel_and_matches_eager():
+    """ActNN's groups through the C kernel's group operators on a CPU (the traced groups ran at 0.41 of compiled
+    fp's speed on resnet20): 8-bit nearest codes give eager ActNN's gradients to float tolerance (the same
+    codes of the same maps; the compiled graph sums in its own order) and its held bytes within 1 %."""
+    kernels_built = __import__("division.kernels", fromlist=["available"]).available()
+    spec = {"name": "actnn", "bits": 8, "stochastic": False}
+    x, y = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(1)), torch.arange(8) % 10
+    eager, compiled = small_net(), small_net()
+    m_eager, m_compiled = build(spec), build(spec)
+    m_eager.prepare(eager)
+    m_compiled.prepare(compiled)
+    api.compile_model(compiled, m_compiled)
+    loss_e, report_e = _step(eager, m_eager, x, y)
+    loss_c, report_c = _step(compiled, m_compiled, x, y)
+    assert api.graph_breaks() == 0
+    torch.testing.assert_close(loss_c, loss_e)
+    assert _relative(compiled, eager) < 1e-3
+    assert 0.99 < report_c.held_bytes / report_e.held_bytes < 1.01
+    plans = [p for p in m_compiled.saved_tensor_route.plans.values() if p.action == "encode"]
+    assert len(plans) == 10 and all(p.groups and p.kernel == kernels_built for p in plans)

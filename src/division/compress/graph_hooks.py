@@ -50,7 +50,7 @@ class TracedCodec:
     lfc_dtype: torch.dtype = torch.bfloat16
     stochastic: bool = True
     min_map_elems: int = 9  # smaller maps (and those DIVISION would keep in more bytes than bf16) go to bf16
-    cpu_kernel: bool = True  # CPU DIVISION maps through the fused C kernel as custom operators (compress/ops.py)
+    cpu_kernel: bool = True  # CPU maps through the fused C kernel as custom operators (compress/ops.py)
     save_relu_outputs: bool = True  # the partitioner saves ReLU outputs instead of recomputing them (see below)
 
     def __post_init__(self):
@@ -180,14 +180,18 @@ def decode(codec: TracedCodec, parts, shape) -> torch.Tensor:
 
 
 def encode_with_kernel(codec: TracedCodec, x: torch.Tensor, channels_last: bool = False):
-    """DIVISION through the fused C kernel, one custom operator (compress/ops.py); ``channels_last``: the
-    kernel for maps laid out (N, H, W, C), codes in that order."""
+    """DIVISION (or ActNN's groups) through the fused C kernel, one custom operator (compress/ops.py);
+    ``channels_last``: the kernel for maps laid out (N, H, W, C), codes in that order."""
+    if codec.kind == "groups":
+        return torch.ops.division.encode_groups(x, codec.bits, codec.group, codec.stochastic)
     bh, bw = lfc_blocks(x.shape[2], x.shape[3], codec.block)
     op = torch.ops.division.encode_maps_cl if channels_last else torch.ops.division.encode_maps
     return op(x, codec.bits, bh, bw, codec.stochastic)
 
 
 def decode_with_kernel(codec: TracedCodec, parts, shape, channels_last: bool = False) -> torch.Tensor:
+    if codec.kind == "groups":
+        return torch.ops.division.decode_groups(*parts, codec.bits, codec.group, list(shape))
     h, w = shape[2], shape[3]
     op = torch.ops.division.decode_maps_cl if channels_last else torch.ops.division.decode_maps
     return op(*parts, codec.bits, h, w, *lfc_blocks(h, w, codec.block))
@@ -218,6 +222,7 @@ class Plan:
     sign: bool = False
     kernel: bool = False  # encoded by the C kernel's operators (their layout), not the traced ops
     channels_last: bool = False  # by the kernel's operators for maps laid out (N, H, W, C)
+    groups: bool = False  # ActNN's groups (the kernel's group operators: no ReLU-sign variant)
     fp_bytes: int = 0
     held_bytes: int = 0
     users: List[str] = field(default_factory=list)
@@ -231,7 +236,7 @@ class Plan:
     @property
     def kernel_signs(self) -> bool:
         """A ReLU output's sign bits made and applied by the kernel operators."""
-        return self.sign and self.kernel and self.relu
+        return self.sign and self.kernel and self.relu and not self.groups
 
 
 def inlining_supported() -> bool:
@@ -324,8 +329,12 @@ class GraphCodecHooks:
                 return x
             parts = (x.to(torch.bfloat16),)
         elif plan.action == "encode":
-            plan.kernel = self.codec.cpu_kernel and ops.available(x, self.codec)
-            plan.channels_last = plan.kernel and ops.nhwc_supported(x)
+            plan.groups = self.codec.kind == "groups"
+            if plan.groups:
+                plan.kernel = self.codec.cpu_kernel and ops.groups_available(x)
+            else:
+                plan.kernel = self.codec.cpu_kernel and ops.available(x, self.codec)
+            plan.channels_last = plan.kernel and not plan.groups and ops.nhwc_supported(x)
             parts = encode_with_kernel(self.codec, x, plan.channels_last) if plan.kernel else encode(self.codec, x)
             if plan.sign:
                 signs = torch.ops.division.relu_signs_cl if plan.channels_last else torch.ops.division.relu_signs

@@ -11,7 +11,8 @@ afresh; rank-mixed under DDP, as the eager codec). A map holding NaN or Inf is e
 as zero and gets a NaN minimum, so it decodes to NaN throughout: the backward's gradients show it instead
 of a finite value that was never there.
 """
-from typing import Tuple
+import math
+from typing import List, Tuple
 
 import torch
 from torch import Tensor
@@ -204,3 +205,52 @@ def decode_relu_maps_cl(lfc: Tensor, packed: Tensor, minimum: Tensor, scale: Ten
 @decode_relu_maps_cl.register_fake
 def _(lfc, packed, minimum, scale, signs, bits, h, w, bh, bw, floor):
     return _channels_last_empty(lfc, h, w)
+
+
+# --- ActNN-style groups ----------------------------------------------------------------------------------------
+# Each sample's activation, flattened in NCHW order, cut into groups of ``group`` elements (the last padded
+# with its sample's last element), a minimum and scale per group: GroupwiseCodec's encoding through the same
+# C kernel (rows without an LFC), where the traced version left the compiler's own loops for the per-group
+# reductions and packing.
+
+def _group_rows(x: Tensor, group: int) -> int:
+    per_sample = x[0].numel()
+    return x.shape[0] * -(-per_sample // group)
+
+
+def groups_available(x: Tensor) -> bool:
+    """Whether :func:`encode_groups` runs the kernel for ``x`` (CPU, fp32 or bf16, the library built)."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() < 2:
+        return False
+    from division import kernels
+    return kernels.library() is not None
+
+
+@torch.library.custom_op("division::encode_groups", mutates_args=(), device_types="cpu")
+def encode_groups(x: Tensor, bits: int, group: int, stochastic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """(packed codes, minimum and scale float32 per group) of ``x`` (N, ...) in groups of ``group``."""
+    from division.codecs.groupwise import GroupwiseCodec
+    q = GroupwiseCodec(bits, group, stochastic, backend="compiled").encode(x.float()).q
+    return q.packed, q.minimum.float().reshape(-1), q.scale.float().reshape(-1)
+
+
+@encode_groups.register_fake
+def _(x, bits, group, stochastic):
+    rows = _group_rows(x, group)
+    stat = x.new_empty((rows,), dtype=torch.float32)
+    return x.new_empty((packed_nbytes(rows * group, bits),), dtype=torch.uint8), stat, torch.empty_like(stat)
+
+
+@torch.library.custom_op("division::decode_groups", mutates_args=(), device_types="cpu")
+def decode_groups(packed: Tensor, minimum: Tensor, scale: Tensor, bits: int, group: int, shape: List[int]) -> Tensor:
+    """Inverse of :func:`encode_groups`: float32 of ``shape``, contiguous."""
+    from division.codecs.quant import QuantizedTensor, decode_rows_compiled
+    n, rows = shape[0], minimum.numel()
+    q = QuantizedTensor(packed, minimum, scale, bits, rows, group, torch.float32, backend="compiled")
+    per_sample = math.prod(shape[1:])
+    return decode_rows_compiled(q).view(n, -1)[:, :per_sample].reshape(shape).contiguous()
+
+
+@decode_groups.register_fake
+def _(packed, minimum, scale, bits, group, shape):
+    return minimum.new_empty(shape, dtype=torch.float32)

@@ -57,6 +57,7 @@ class PolicyMethod(Method, metaclass=ABCMeta):
         codec and torch can inline hooks, the codec runs inside the compiled graphs (compress/graph_hooks.py);
         otherwise the hooks run the method's codec after the compiled forward (compress/saved_hooks.py).
         Per-layer options (fused BN->ReLU, compact ReLU codes, a byte budget's plan) do not apply here."""
+        from division import kernels
         from division.compress import graph_hooks
         from division.compress.saved_hooks import SavedTensorCodec
         from division.memory import parameter_storages
@@ -64,9 +65,10 @@ class PolicyMethod(Method, metaclass=ABCMeta):
         codec = self.traced_codec()
         if codec is not None and graph_hooks.inlining_supported():
             on_cpu = all(p.device.type == "cpu" for p in model.parameters())
-            if on_cpu:
+            if on_cpu and codec.kind == "division" and codec.cpu_kernel and kernels.available():
                 # channels-last, as Inductor lays out a CPU graph's convolutions: the traced graph then saves
-                # maps in that order, which the kernel's channels-last operators keep without copies
+                # maps in that order, which the kernel's channels-last operators keep without copies (ActNN's
+                # groups run along NCHW order: its traced codec would copy every map, so its model stays NCHW)
                 model.to(memory_format=torch.channels_last)
             self.saved_tensor_route = graph_hooks.GraphCodecHooks(codec, keep_layouts=on_cpu)
             note = ("compiled: the codec runs inside the compiled graphs (saved-tensor hooks inlined by "
