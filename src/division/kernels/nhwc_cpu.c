@@ -85,7 +85,7 @@ int division_encode_nhwc(const float *x, int64_t n, int64_t h, int64_t w, int64_
                 scale[s * c + ch] = sc;
                 inv[ch] = sc > 0.0f ? 1.0f / sc : 0.0f;
             }
-            if (nonfinite && !bad_here) bad_here = 1;  /* an Inf - Inf hidden in a finite range cannot happen, but be safe */
+            if (nonfinite && !bad_here) bad_here = 1;  /* a NaN leaves the range finite (comparisons skip it) */
             if (bad_here) {
                 bad += bad_here;
                 continue;
