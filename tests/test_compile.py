@@ -33,6 +33,19 @@ def _relative(a, b):
     return ((ga - gb).norm() / gb.norm()).item()
 
 
+def _eager_and_compiled(spec, x, y):
+    """One accounted step of ``small_net`` under method ``spec``, eager and compiled: (model, loss, report) of
+    each, and the compiled run's method."""
+    runs, method = [], None
+    for compiled in (False, True):
+        model, method = small_net(), build(spec)
+        method.prepare(model)
+        if compiled:
+            api.compile_model(model, method)
+        runs.append((model, *_step(model, method, x, y)))
+    return runs[0], runs[1], method
+
+
 def test_compiled_division_step_matches_eager_without_graph_breaks():
     """8-bit codes, nearest rounding: the same loss (compression touches only backward; the compiled forward
     sums in its own order, hence float tolerance), gradients near fp's, held bytes within 5 % of eager
@@ -45,13 +58,7 @@ def test_compiled_division_step_matches_eager_without_graph_breaks():
     x, y = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(1)), torch.arange(8) % 10
     ref = small_net()
     F.cross_entropy(ref(x), y).backward()
-    eager, compiled = small_net(), small_net()
-    m_eager, m_compiled = build(spec), build(spec)
-    m_eager.prepare(eager)
-    m_compiled.prepare(compiled)
-    api.compile_model(compiled, m_compiled)
-    loss_e, report_e = _step(eager, m_eager, x, y)
-    loss_c, report_c = _step(compiled, m_compiled, x, y)
+    (eager, loss_e, report_e), (compiled, loss_c, report_c), m_compiled = _eager_and_compiled(spec, x, y)
     assert api.graph_breaks() == 0
     torch.testing.assert_close(loss_c, loss_e)
     assert _relative(compiled, ref) < 0.01 and _relative(eager, ref) < 0.01
@@ -322,13 +329,7 @@ def test_compiled_actnn_runs_the_group_kernel_and_matches_eager():
     kernels_built = __import__("division.kernels", fromlist=["available"]).available()
     spec = {"name": "actnn", "bits": 8, "stochastic": False}
     x, y = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(1)), torch.arange(8) % 10
-    eager, compiled = small_net(), small_net()
-    m_eager, m_compiled = build(spec), build(spec)
-    m_eager.prepare(eager)
-    m_compiled.prepare(compiled)
-    api.compile_model(compiled, m_compiled)
-    loss_e, report_e = _step(eager, m_eager, x, y)
-    loss_c, report_c = _step(compiled, m_compiled, x, y)
+    (eager, loss_e, report_e), (compiled, loss_c, report_c), m_compiled = _eager_and_compiled(spec, x, y)
     assert api.graph_breaks() == 0
     torch.testing.assert_close(loss_c, loss_e)
     assert _relative(compiled, eager) < 1e-3

@@ -33,7 +33,7 @@ def relu_signs(x: Tensor) -> Tensor:
 
 
 @relu_signs.register_fake
-def _(x):
+def _signs_fake(x):
     return x.new_empty((packed_nbytes(x.numel(), 1),), dtype=torch.uint8)
 
 
@@ -189,9 +189,7 @@ def relu_signs_cl(x: Tensor) -> Tensor:
     return BitMask.positive(x.float().permute(0, 2, 3, 1), backend="compiled").packed
 
 
-@relu_signs_cl.register_fake
-def _(x):
-    return x.new_empty((packed_nbytes(x.numel(), 1),), dtype=torch.uint8)
+relu_signs_cl.register_fake(_signs_fake)
 
 
 @torch.library.custom_op("division::decode_relu_maps_cl", mutates_args=(), device_types="cpu")
