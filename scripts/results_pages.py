@@ -175,6 +175,12 @@ def glance(runs, bench) -> str:
                 [f"{gpu[m]['act_compression']:.2f}x less" if m in gpu else "" for m in GLANCE_METHODS[1:]]
             rows.append((f"activation memory, ResNet-50, 224x224, batch 256, fp16, "
                          f"{_device(next(iter(gpu.values()))).removeprefix('cuda: ')} ({r_suite})", cells))
+            if gpu.get("fp", {}).get("act_mem_fp32_bytes"):  # the paper's baseline: fp32 training's activations
+                cells = [f"{gpu['fp']['act_mem_fp32_bytes'] / 2**30:.2f} GiB"] + \
+                    [f"{gpu[m]['act_compression_fp32']:.2f}x less" if gpu.get(m, {}).get("act_compression_fp32")
+                     else "" for m in GLANCE_METHODS[1:]]
+                rows.append((f"the same against fp32 training's activations (the paper's baseline) ({r_suite})",
+                             cells))
         for r in (r for r in bench if r.get("paired") and r["_path"].startswith(r_suite + "/")):
             by = {m["method"]: m for m in r["methods"]}
             cells = [f"{by['fp']['throughput_img_s']:.0f} img/s" if "fp" in by else ""] + \

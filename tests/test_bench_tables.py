@@ -325,3 +325,30 @@ def test_budget_runs_are_their_own_method_in_the_tables(tmp_path):
         (folder / "result.json").write_text(json.dumps(rec))
     assert [r["method"] for r in results_pages.load_runs(tmp_path)] == ["division_plus", "division_plus:budget=20x",
                                                                          "fp"]
+
+
+def test_autocast_rows_measure_what_fp32_training_holds(tmp_path):
+    """Under autocast a row also records fp32 training's activations (the paper's vanilla baseline), measured:
+    equal to the bytes an fp32 run of the same step holds, byte for byte, and about twice the bf16 reference;
+    the GPU table and the README show the ratio against it beside the one against fp in the autocast dtype."""
+    from division import bench
+    mixed = bench.measure("resnet20", 4, "division", 32, 1, 1, "cpu", "bf16", 10)
+    fp32 = bench.measure("resnet20", 4, "fp", 32, 1, 1, "cpu", "none", 10)
+    assert mixed["act_mem_fp32_bytes"] == fp32["act_mem_fp_bytes"]
+    assert mixed["act_mem_fp32_bytes"] > 1.9 * mixed["act_mem_fp_bytes"]
+    assert mixed["act_compression_fp32"] == mixed["act_mem_fp32_bytes"] / mixed["act_mem_bytes"]
+    assert "act_mem_fp32_bytes" not in fp32  # without autocast the reference is fp32 already
+    _fixture(tmp_path)
+    gpu = tmp_path / "bench" / "gpu_test"
+    gpu.mkdir(parents=True)
+    base = {"suite": "gpu_test", "amp": "fp16", "image_size": 224, "device": "cuda: Test GPU", "git_sha": "abcdef1234",
+            "git_dirty": False, "model": "resnet50", "batch_size": 256, "status": "ok", "peak_mem_bytes": 2e9}
+    for method, held, speed in (("fp", 10e9, 3000.0), ("division", 1e9, 2700.0)):
+        rec = dict(base, method=method, act_mem_bytes=held, act_mem_fp_bytes=10e9, act_compression=10e9 / held,
+                   act_mem_fp32_bytes=20e9, act_compression_fp32=20e9 / held, throughput_img_s=speed)
+        (gpu / f"resnet50_b256_{method}_fp16.json").write_text(json.dumps(rec))
+    proc = subprocess.run([sys.executable, "scripts/make_tables.py", "--results", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = (tmp_path / "tables" / "gpu_test.md").read_text()
+    assert "| resnet50 | 256 | division | fp16 | 953.7 | 10.00x | 20.00x | 1907 | 2700.0 | 0.90 |" in table

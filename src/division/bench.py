@@ -4,6 +4,7 @@ memory and allocator state never leak between configurations. One JSON file per 
     python scripts/bench.py --models resnet50 --batches 4,8 --methods fp,division --out results/bench/cpu
 """
 import argparse
+import dataclasses
 import os
 import statistics
 import subprocess
@@ -74,6 +75,16 @@ def calibrate(model, method, batch: int, image_size: int, num_classes: int, devi
     method.calibrate(model, engine._forward(model, x, y, state))
 
 
+def fp32_reference(model, method, x, y, state: engine.StepState):
+    """Under autocast, what fp32 training of the same step would hold (``engine.fp_reference`` with autocast
+    off: measured, holding nothing): the DIVISION paper's vanilla baseline, whose activations are fp32, while
+    the run's own ratio is against fp's activations in the autocast dtype. None without autocast (the
+    full-precision reference is fp32 already)."""
+    if state.amp == "none":
+        return None
+    return engine.fp_reference(model, method, x, y, dataclasses.replace(state, amp="none"))
+
+
 def measure(model_name: str, batch: int, method_spec: str, image_size: int, steps: int, warmup: int,
             device_name: str, amp: str, num_classes: int = 1000, fp_reference: bool = True,
             release_memory: bool = True) -> dict:
@@ -91,6 +102,7 @@ def measure(model_name: str, batch: int, method_spec: str, image_size: int, step
     calibrate(model, method, batch, image_size, num_classes, device, state)
     live = release_freed_memory() if device.type == "cpu" and release_memory else False
     fp = engine.fp_reference(model, method, x, y, state) if fp_reference else None
+    fp32 = fp32_reference(model, method, x, y, state) if fp_reference else None
     meter = PeakMeter(device)
     meter.reset()
     report = engine.train_step(model, method, x, y, opt, None, state, account=True).report
@@ -110,6 +122,8 @@ def measure(model_name: str, batch: int, method_spec: str, image_size: int, step
         "act_compression": report.fp_bytes / max(report.held_bytes, 1) if fp else None,
         **({k: summary[k] for k in ("act_mem_input_bytes", "act_mem_input_fp_bytes", "act_compression_without_input")}
            if fp else {}),
+        **({"act_mem_fp32_bytes": fp32.act_bytes, "act_compression_fp32": fp32.act_bytes / max(report.held_bytes, 1)}
+           if fp32 else {}),
         "act_mem_host_bytes": report.host_bytes, "amp_weight_cast_bytes": report.amp_weight_cast_bytes,
         "act_mem_by_codec": report.by_codec(), "peak_mem_bytes": peak, "peak_mem_growth_bytes": growth,
         "peak_mem_how": meter.describe() + "; first 2 steps" + ("; glibc returning freed blocks >= 64 KiB" if live
