@@ -325,3 +325,15 @@ def test_tf32_choice_is_set_on_every_cuda_run(tf32, convolutions, matmuls):
         assert (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) == (convolutions, matmuls)
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_run_id_ignores_where_the_data_is_read_from():
+    """The same run reached through another data folder (a worktree one level deeper sees ../../data for ../data)
+    or another cache keeps its id, so its seeds group and skip_done finds it; what the data is still counts."""
+    from division.results import config_hash
+    cfg = {"seed": 0, "data": {"name": "cifar10", "root": "../shared/datasets", "cache_dir": "./data/cache",
+                               "download": True, "batch_size": 1024}, "method": {"name": "division"}}
+    moved = {**cfg, "data": {**cfg["data"], "root": "../../shared/datasets", "cache_dir": "/tmp/c", "download": False}}
+    assert config_hash(moved) == config_hash(cfg)
+    assert config_hash({**cfg, "data": {**cfg["data"], "batch_size": 512}}) != config_hash(cfg)
+    assert config_hash({**cfg, "data": {**cfg["data"], "name": "cifar100"}}) != config_hash(cfg)

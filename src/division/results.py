@@ -37,13 +37,17 @@ def read_json(path):
 
 
 def config_hash(cfg: Dict) -> str:
-    """Hash of the resolved config without seed, paths, logging, run bookkeeping and execution details
-    (threads, progress bar, allocator setting, mid-epoch checkpoints): runs that differ only by seed share it,
-    so tables can group seeds, and a sweep finds its runs whatever thread count it is given."""
+    """Hash of the resolved config without seed, paths, logging, run bookkeeping, execution details
+    (threads, progress bar, allocator setting, mid-epoch checkpoints) and where the data is read from
+    (``data.root``, ``data.cache_dir``, ``data.download``): runs that differ only by seed share it, so tables
+    can group seeds, and a sweep finds its runs whatever thread count it is given and from whichever folder
+    it reaches the dataset (a worktree one level deeper sees ``../../data`` for ``../data``)."""
     trimmed = {k: v for k, v in cfg.items() if k not in HASH_IGNORED}
     if isinstance(trimmed.get("trainer"), dict):  # how a run executes, not what it computes
         trimmed["trainer"] = {k: v for k, v in trimmed["trainer"].items()
                               if k not in ("progress", "threads", "release_freed_memory", "checkpoint_every_steps")}
+    if isinstance(trimmed.get("data"), dict):  # where the same data is found, not what it is
+        trimmed["data"] = {k: v for k, v in trimmed["data"].items() if k not in ("root", "cache_dir", "download")}
     blob = json.dumps(trimmed, sort_keys=True, default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:10]
 
