@@ -54,10 +54,13 @@ def main(argv=None):
     model = create_model(args.model, num_classes=10)
     if args.checkpoint:
         model.load_state_dict(torch.load(args.checkpoint, map_location="cpu", weights_only=False)["model"])
-    elif hasattr(model, "init_from_data"):  # a smoke run: whitening from the random images
+    elif args.synthetic and hasattr(model, "init_from_data"):  # a smoke run: whitening from random images
         model.init_from_data(torch.randn(64, 3, 32, 32))
     batches = balanced_batches(cifar10_data_config(args.data_root, 200 if args.synthetic else 0), args.batches,
                                args.per_class)
+    whitened = args.random_init and not args.checkpoint and hasattr(model, "init_from_data")
+    if whitened:  # initial weights with a data-made first layer (fast94's whitening): from the analysed images
+        model.init_from_data(torch.cat([x for x, _ in batches]))
     if args.image_size:
         batches = [(torch.nn.functional.interpolate(x, size=args.image_size, mode="bilinear", align_corners=False), y)
                    for x, y in batches]
@@ -92,7 +95,8 @@ def main(argv=None):
     first = next(iter(rows[base]["layers"]))  # the stem: its input is the image itself
     report = {"status": "ok", "model": args.model, "baseline": base, "batches": args.batches,
               "batch_size": int(batches[0][1].numel()), "draws": args.draws, "synthetic": args.synthetic,
-              "weights": "checkpoint" if args.checkpoint else "random init (seed 0)",
+              "weights": "checkpoint" if args.checkpoint else "random init (seed 0)" + (
+                  ", whitening from the analysed test images" if whitened else ""),
               "image_size": args.image_size or 32,
               "checkpoint": results.relative_to_root(args.checkpoint) if args.checkpoint else None,
               "command": results.command_line("scripts/compare_gradient_error.py", argv or sys.argv[1:]),

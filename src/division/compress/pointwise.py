@@ -1,4 +1,5 @@
-"""Pointwise layers: ReLU and dropout keep exact 1-bit masks, GELU a compressed input."""
+"""Pointwise layers: ReLU and dropout keep exact 1-bit masks, GELU a compressed input (or its derivative in
+a few bits)."""
 import torch
 import torch.nn.functional as F
 
@@ -42,14 +43,21 @@ class _DropoutFn(torch.autograd.Function):
 
 
 class _GeluFn(torch.autograd.Function):
+    """GELU keeping its input through the method's codec, or (``gelu_bits``) its derivative in a few bits."""
+
     @staticmethod
     def forward(ctx, x, approximate, policy, layer):
-        ctx.saved = policy.save(x, "gelu", layer)
+        if policy.gelu is not None:
+            ctx.saved, ctx.slope = None, policy.save_gelu(x, layer, approximate)
+        else:
+            ctx.saved, ctx.slope = policy.save(x, "gelu", layer), None
         ctx.approximate = approximate
         return F.gelu(x, approximate=approximate)
 
     @staticmethod
     def backward(ctx, grad):
-        x = ctx.saved.decode()
-        ctx.saved = None
+        saved, slope, ctx.saved, ctx.slope = ctx.saved, ctx.slope, None, None
+        if slope is not None:
+            return grad * slope.decode(grad.dtype), None, None, None
+        x = saved.decode()
         return torch.ops.aten.gelu_backward(grad, x.to(grad.dtype), approximate=ctx.approximate), None, None, None

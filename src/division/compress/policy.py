@@ -9,6 +9,7 @@ import torch
 from division.codecs.base import tensor_storages
 from division.codecs.compact import ReluCompacted, compact_relu
 from division.codecs.exact import InputReference
+from division.codecs.fewbit import FewBitGelu, GeluDerivative, check_gelu_bits
 from division.codecs.quant import BitMask, FullCopy, Packed, check_backend, storage_key
 from division.compress.fused import BnOutput, BnReluInput, ResidualReluInput, ResidualSum
 from division.memory import SaveRecord, TensorIds
@@ -33,12 +34,15 @@ class SavePolicy:
     ``keep_input`` holds the model's input (the caller's batch) by reference instead of encoding it;
     ``compact_relu`` keeps codes only for the positive elements of a ReLU output (division/codecs/compact.py);
     ``fuse_residual`` (with ``fuse_bn_relu``) lets a convolution whose input is relu(batch norm output +
-    shortcut) rebuild it from the batch norm's saved input and the shortcut's (compress/fused.py).
+    shortcut) rebuild it from the batch norm's saved input and the shortcut's (compress/fused.py);
+    ``gelu_bits`` (1, 2 or 4; 0 = off) holds GELU's derivative in that many bits instead of its input
+    (codecs/fewbit.py).
     """
 
     def __init__(self, choose: Callable[[str, torch.Tensor], Packed], kinds=LAYER_KINDS,
                  reuse_relu_mask: bool = False, backend: str = "auto", fuse_bn_relu: bool = False,
-                 keep_input: bool = False, compact_relu: bool = False, fuse_residual: bool = False):
+                 keep_input: bool = False, compact_relu: bool = False, fuse_residual: bool = False,
+                 gelu_bits: int = 0):
         for name, value in (("fuse_bn_relu", fuse_bn_relu), ("keep_input", keep_input),
                             ("compact_relu", compact_relu), ("fuse_residual", fuse_residual)):
             if not isinstance(value, bool):
@@ -47,6 +51,7 @@ class SavePolicy:
             raise ValueError("fuse_residual=True needs fuse_bn_relu=True (it rebuilds from the batch norm's saved "
                              "input, which only fuse_bn_relu links)")
         self.fuse_bn_relu = fuse_bn_relu
+        self.gelu = FewBitGelu(gelu_bits) if check_gelu_bits(gelu_bits) else None  # GELU' in a few bits
         self.fuse_residual = fuse_residual
         self.keep_input = keep_input
         self.compact_relu = compact_relu
@@ -281,6 +286,15 @@ class SavePolicy:
         self.flush()
         self.records.append(SaveRecord(layer, kind, codec, tuple(t.shape), fp_bytes,
                                        [(storage_key(t), t.untyped_storage().nbytes())], fp_key=fp_key))
+
+    def save_gelu(self, x: torch.Tensor, layer: str, approximate: str) -> GeluDerivative:
+        """GELU's derivative at ``x`` in ``gelu_bits`` bits (codecs/fewbit.py), held instead of ``x``."""
+        self.flush()
+        packed = self.gelu.encode(x, approximate)
+        self.records.append(SaveRecord(layer, "gelu", packed.kind, tuple(x.shape), x.numel() * x.element_size(),
+                                       [(storage_key(t), t.untyped_storage().nbytes()) for t in packed.tensors()],
+                                       fp_key=self.ids(x), backend=packed.backend))
+        return packed
 
     def save_nothing(self, kind: str, layer: str, shape, fp_bytes: int, fp_key=None):
         self.flush()

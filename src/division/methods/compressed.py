@@ -23,12 +23,12 @@ class PolicyMethod(Method, metaclass=ABCMeta):
 
     def __init__(self, name=None, layers=compress.LAYER_KINDS, reuse_relu_mask: bool = False,
                  backend: str = "auto", fuse_bn_relu: bool = False, keep_input: bool = False,
-                 compact_relu: bool = False, fuse_residual: bool = False):
+                 compact_relu: bool = False, fuse_residual: bool = False, gelu_bits: int = 0):
         super().__init__(name)
         self.layers = compress.check_layer_kinds(layers)
         self.backend = backend
         self.policy = compress.SavePolicy(self.choose, self.layers, reuse_relu_mask, backend, fuse_bn_relu,
-                                          keep_input, compact_relu, fuse_residual)
+                                          keep_input, compact_relu, fuse_residual, gelu_bits)
 
     @abstractmethod
     def choose(self, kind: str, x: torch.Tensor, split=None):
@@ -115,7 +115,8 @@ class Division(PolicyMethod):
                  fuse_bn_relu: bool = False, stat_dtype: str = "fp32", small_map_elems: int = 0,
                  small_map_group: int = 256, keep_input: bool = False, single_block_lfc: bool = True,
                  compact_relu: bool = False, budget=None, budget_refresh: int = 0, budget_probe: bool = True,
-                 budget_groups: bool = True, fuse_residual: bool = False, budget_residual: bool = True):
+                 budget_groups: bool = True, fuse_residual: bool = False, budget_residual: bool = True,
+                 gelu_bits: int = 0):
         if not isinstance(single_block_lfc, bool):
             raise ValueError(f"single_block_lfc={single_block_lfc!r} is invalid; valid choices: [True, False]")
         plain = PerChannelCodec(hfc_bits, stochastic, min_numel, backend, stat_dtype)
@@ -128,7 +129,7 @@ class Division(PolicyMethod):
         self.small_map_elems = small_map_elems
         self.small_codec = GroupwiseCodec(hfc_bits, small_map_group, stochastic, backend, stat_dtype)
         super().__init__(name, layers, reuse_relu_mask, backend, fuse_bn_relu, keep_input, compact_relu,
-                         fuse_residual)
+                         fuse_residual, gelu_bits)
         self.notes = ["maps with 1x1 spatial size, fewer than min_numel elements, and 2-D inputs are held in "
                       "bf16; token tensors use the patch grid (prefix tokens in bf16) or pool along tokens"]
         self._init_budget(budget, budget_refresh, lfc_dtype, min_numel, stochastic, backend, stat_dtype,
@@ -282,10 +283,10 @@ class ActNN(PolicyMethod):
 
     def __init__(self, name=None, bits: int = 2, group_size: int = 256, layers=compress.LAYER_KINDS,
                  stochastic: bool = True, backend: str = "auto", fuse_bn_relu: bool = False,
-                 keep_input: bool = False, compact_relu: bool = False):
+                 keep_input: bool = False, compact_relu: bool = False, gelu_bits: int = 0):
         self.codec = GroupwiseCodec(bits, group_size, stochastic, backend)
         super().__init__(name, layers, backend=backend, fuse_bn_relu=fuse_bn_relu, keep_input=keep_input,
-                         compact_relu=compact_relu)
+                         compact_relu=compact_relu, gelu_bits=gelu_bits)
 
     def choose(self, kind, x, split=None):
         return self.codec.encode(x, split)
