@@ -56,7 +56,8 @@ class PolicyMethod(Method, metaclass=ABCMeta):
         at), and what the compiled graph saves encoded by saved-tensor hooks. Where the method has a traced
         codec and torch can inline hooks, the codec runs inside the compiled graphs (compress/graph_hooks.py);
         otherwise the hooks run the method's codec after the compiled forward (compress/saved_hooks.py).
-        Per-layer options (fused BN->ReLU, compact ReLU codes, a byte budget's plan) do not apply here."""
+        Per-layer options (fused BN->ReLU, compact ReLU codes, a byte budget's plan, gelu_bits) do not apply
+        here; the run's notes say so for gelu_bits."""
         from division import kernels
         from division.compress import graph_hooks
         from division.compress.saved_hooks import SavedTensorCodec
@@ -78,6 +79,8 @@ class PolicyMethod(Method, metaclass=ABCMeta):
                                                        exclude=parameter_storages(model))
             note = ("compiled: the compiled graph's saved maps are encoded through saved-tensor hooks; they are "
                     "decoded together when its backward starts (PyTorch issue 148222)")
+        if self.policy.gelu is not None:
+            note += f"; gelu_bits={self.policy.gelu.bits} does not apply (a GELU's input is encoded as any map)"
         self.notes = [n for n in self.notes if not n.startswith("compiled:")] + [note]
         return model
 
