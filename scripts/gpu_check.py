@@ -22,6 +22,8 @@ leaves what it finished (each benchmark configuration is its own file) and the n
 """
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -90,6 +92,24 @@ def dry_run(plan):
         print(f"ok   {name}: {' '.join(cmd[1:])}")
 
 
+def run_step(cmd, timeout: float) -> str:
+    """Run one step in a process group of its own; past ``timeout`` the whole group is killed. The benchmark
+    measures each configuration in a child process: killing the step's own process alone left that child
+    running on the GPU into the next step's measurements."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=timeout)
+        return "ok" if rc == 0 else f"FAILED (exit {rc})"
+    except subprocess.TimeoutExpired:
+        return "TIMEOUT (finished parts kept)"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # what the step left running (its children), or all of it
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
 def run_plan(plan, budget: float, reserve: float = 10.0, min_step: float = 15.0):
     """Run each step within min(its limit, what is left of the budget less ``reserve``); a step with less than
     ``min_step`` seconds left is skipped. Returns [(name, status, seconds)]."""
@@ -103,11 +123,7 @@ def run_plan(plan, budget: float, reserve: float = 10.0, min_step: float = 15.0)
             continue
         t0 = time.time()
         print(f"== {name} (limit {min(limit, left):.0f} s): {' '.join(cmd[1:])}", flush=True)
-        try:
-            rc = subprocess.run(cmd, cwd=ROOT, timeout=min(limit, left)).returncode
-            status = "ok" if rc == 0 else f"FAILED (exit {rc})"
-        except subprocess.TimeoutExpired:
-            status = "TIMEOUT (finished parts kept)"
+        status = run_step(cmd, min(limit, left))
         done.append((name, status, time.time() - t0))
         print(f"== {name}: {status} in {time.time() - t0:.0f} s", flush=True)
     return done

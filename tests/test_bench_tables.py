@@ -4,6 +4,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -190,6 +191,31 @@ def test_gpu_check_keeps_to_its_budget():
             ("late", [py, "-c", "pass"], 10)]
     done = gpu_check.run_plan(plan, budget=10, reserve=0, min_step=3)  # 6 s left, then about 2
     assert [(n, s.split()[0]) for n, s, _ in done] == [("slow", "TIMEOUT"), ("fails", "FAILED"), ("late", "skipped")]
+
+
+def test_gpu_check_stops_a_late_step_with_its_children(tmp_path):
+    """A step that runs out of time is stopped with every process it started (the benchmark measures each
+    configuration in a child process, which must not go on measuring into the next step), and so is what a
+    finished step left behind."""
+    gpu_check = import_script("gpu_check")
+    py = sys.executable
+    pids = tmp_path / "pids"
+    spawn = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+             f"open({str(pids)!r}, 'a').write(str(c.pid) + '\\n'); time.sleep({{}})")
+    assert gpu_check.run_step([py, "-c", spawn.format(60)], timeout=3).startswith("TIMEOUT")
+    assert gpu_check.run_step([py, "-c", spawn.format(0)], timeout=30) == "ok"
+    children = [int(pid) for pid in pids.read_text().split()]
+    assert len(children) == 2
+    time.sleep(0.5)
+    assert not any(_running(pid) for pid in children)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not gone, not a zombie waiting for its reaper)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_max_batch_below_the_start():
