@@ -9,7 +9,8 @@ call is planned for), every result labelled with the device's name:
   5. max batch: fp and division under one memory cap, fp16 (results/max_batch/gpu_<device>/);
   6. profile: where one DIVISION step's time goes at batch 256 (results/profile/);
   7. seeds (only with --only seeds, a call of its own): the fast CIFAR-10 recipe, fp and division alternating,
-     seeds 0-19 (experiment=cifar10_fast94_gpu; the data travels in .whl/data, see scripts/device/prepare.sh);
+     seeds 0-19 in 4 sweeps side by side (experiment=cifar10_fast94_gpu; the data travels in .whl/data, see
+     scripts/device/prepare.sh);
   8. compile (only with --only compile): torch.compile'd DIVISION / compiled fp against the eager ratio,
      ResNet-50 at batch 256, fp16 (results/compile/<device>_resnet50_b256_fp16.json).
 
@@ -56,14 +57,31 @@ def steps(tag: str, force: bool = False):
                        "--out", f"results/max_batch/gpu_{tag}"], 120),
         ("profile", [py, "scripts/profile_step.py", "--model", "resnet50", "--method", "division", "--batch", "256",
                      "--amp", "fp16", "--device", "cuda"], 40),
-        ("seeds", [py, "train.py", "-m", "experiment=cifar10_fast94_gpu", f"seed={','.join(map(str, range(20)))}",
-                   "method=fp,division", "logger=none", "trainer.progress=false"], 560),
+        ("seeds", [py, "scripts/gpu_check.py", "--seed-shards", str(SEED_SHARDS)], 560),
         ("compile", [py, "scripts/compile_check.py", "--model", "resnet50", "--batch", "256", "--image-size", "224",
                      "--methods", "division", "--amp", "fp16", "--device", "cuda", "--rounds", "10"], 420),
     ]
 
 
 DEFAULT_STEPS = ("tests", "paper", "paired", "codec", "max batch", "profile")  # seeds, compile: calls of their own
+SEEDS, SEED_METHODS, SEED_SHARDS = 20, "fp,division", 4
+
+
+def seed_commands(shards: int = SEED_SHARDS, seeds: int = SEEDS, methods: str = SEED_METHODS):
+    """The GPU seeds of the fast CIFAR-10 recipe as ``shards`` Hydra sweeps run side by side: one fast94 run is
+    bound by its host thread and leaves the GPU idle between kernels. Seeds are dealt round-robin and each
+    sweep alternates the methods per seed, so whatever has finished when time runs out is balanced across
+    methods; each sweep writes its own Hydra folder (sweeps started in the same second would share one)."""
+    return [[sys.executable, "train.py", "-m", "experiment=cifar10_fast94_gpu",
+             f"seed={','.join(str(s) for s in range(k, seeds, shards))}", f"method={methods}", "logger=none",
+             "trainer.progress=false", f"hydra.sweep.dir=multirun/gpu_seeds/shard{k}"] for k in range(shards)]
+
+
+def run_seed_shards(shards: int) -> int:
+    """Run :func:`seed_commands` at once and wait for all; the exit status is the worst of theirs. The step's
+    time limit stops them all (run_step kills its process group)."""
+    procs = [subprocess.Popen(cmd, cwd=ROOT) for cmd in seed_commands(shards)]
+    return max(proc.wait() for proc in procs)
 
 
 def dry_run(plan):
@@ -77,12 +95,9 @@ def dry_run(plan):
             bench.parse(cmd[2:])
         elif script == "scripts/max_batch.py":
             maxbatch.parse(cmd[2:])
-        elif script == "train.py":
-            from hydra import compose, initialize_config_dir
-            from division import CONFIG_DIR
-            overrides = [a for a in cmd[3:] if "," not in a]
-            with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
-                compose("train", overrides=overrides + ["method=fp", "seed=0"])
+        elif script == "scripts/gpu_check.py":  # the seeds' sweeps: each composes
+            for shard in seed_commands(int(cmd[cmd.index("--seed-shards") + 1])):
+                _compose_sweep(shard)
         elif script == "-m":
             rc = subprocess.run(cmd[:3] + ["--collect-only"] + cmd[3:], cwd=ROOT, capture_output=True).returncode
             if rc != 0:
@@ -90,6 +105,15 @@ def dry_run(plan):
         else:
             importlib.import_module(Path(script).stem).parse(cmd[2:])
         print(f"ok   {name}: {' '.join(cmd[1:])}")
+
+
+def _compose_sweep(cmd):
+    """Compose a ``train.py -m`` command's config for its first job (sweep lists and Hydra's own keys left out)."""
+    from hydra import compose, initialize_config_dir
+    from division import CONFIG_DIR
+    overrides = [a for a in cmd[3:] if "," not in a and not a.startswith("hydra.")]
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
+        compose("train", overrides=overrides + ["method=fp", "seed=0"])
 
 
 def run_step(cmd, timeout: float) -> str:
@@ -169,7 +193,10 @@ def main(argv=None):
     p.add_argument("--only", default="", help="comma-separated step names (default: all but seeds)")
     p.add_argument("--summary", default=None, help="also write the summary to this file")
     p.add_argument("--force", action="store_true", help="remeasure benchmark configurations that have a file")
+    p.add_argument("--seed-shards", type=int, default=0, help=argparse.SUPPRESS)  # the seeds step's own command
     args = p.parse_args(argv)
+    if args.seed_shards:
+        sys.exit(run_seed_shards(args.seed_shards))
     import torch
     from division.results import device_tag
     plan = steps("dry_run" if args.dry_run else device_tag(torch.device("cuda")), args.force)

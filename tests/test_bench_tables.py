@@ -178,7 +178,20 @@ def test_gpu_check_dry_run_composes_every_command():
     assert proc.stdout.count("ok   ") == len(gpu_check.DEFAULT_STEPS) == 6
     seeds = subprocess.run([sys.executable, "scripts/gpu_check.py", "--dry-run", "--only", "seeds"], cwd=ROOT,
                            capture_output=True, text=True, timeout=300)
-    assert seeds.returncode == 0 and "ok   seeds: train.py -m experiment=cifar10_fast94_gpu" in seeds.stdout, seeds
+    assert seeds.returncode == 0 and "ok   seeds: scripts/gpu_check.py --seed-shards 4" in seeds.stdout, seeds
+
+
+def test_gpu_seeds_are_dealt_to_sweeps_side_by_side():
+    """The 20 GPU seeds go to 4 sweeps, each seed once, each sweep alternating fp and division per seed (what
+    finishes before the time limit stays balanced), each in its own Hydra folder."""
+    gpu_check = import_script("gpu_check")
+    shards = gpu_check.seed_commands(4, 20, "fp,division")
+    seeds = [int(v) for cmd in shards for a in cmd if a.startswith("seed=") for v in a[5:].split(",")]
+    assert sorted(seeds) == list(range(20)) and len(shards) == 4
+    assert all("method=fp,division" in cmd and cmd.index("experiment=cifar10_fast94_gpu") <
+               next(i for i, a in enumerate(cmd) if a.startswith("seed=")) < cmd.index("method=fp,division")
+               for cmd in shards)  # the first sweep key varies slowest: methods alternate within a seed
+    assert len({a for cmd in shards for a in cmd if a.startswith("hydra.sweep.dir=")}) == 4
 
 
 def test_gpu_check_keeps_to_its_budget():
