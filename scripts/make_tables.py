@@ -585,10 +585,13 @@ QUESTION_PAIRS = (
 
 
 def paired_table(ok, out: Path, experiment: str):
-    """Each method against fp, then the QUESTION_PAIRS whose both methods have runs, paired by seed."""
+    """Each method against fp, then the QUESTION_PAIRS whose both methods have runs and each byte budget's runs
+    against DIVISION, paired by seed."""
     methods = _methods(ok)
     pairs = [(m, "fp") for m in methods if m != "fp"]
     pairs += [(a, b) for a, b in QUESTION_PAIRS if a in methods and b in methods]
+    # a byte budget's question: at its compression, does training keep DIVISION's accuracy?
+    pairs += [(m, "division") for m in methods if ":budget=" in m and "division" in methods]
     header = ["comparison", "seeds", "per-seed difference (points)", "mean", "95 % CI (t)", "reading"]
     keys = ["top1"] + (["top1_tta"] if any(r.get("top1_tta") is not None for r in ok) else [])
     rows = []

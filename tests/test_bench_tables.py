@@ -366,6 +366,17 @@ def test_budget_runs_are_their_own_method_in_the_tables(tmp_path):
                                                                          "fp"]
 
 
+def test_budget_runs_are_paired_against_division(tmp_path):
+    """The paired table answers a budget's question: its runs minus DIVISION's of the same seeds."""
+    make_tables = import_script("make_tables")
+    ok = [{"method": m, "seed": s, "top1": top1 + s / 10, "git_sha": "abc", "git_dirty": False, "epochs": []}
+          for m, top1 in (("fp", 90.0), ("division", 89.5), ("division_plus:budget=20x", 89.0)) for s in (0, 1)]
+    (table,) = make_tables.paired_table(ok, tmp_path, "exp")
+    text = (tmp_path / "accuracy_exp_paired.md").read_text()
+    assert "| division_plus:budget=20x - division | 0,1 | -0.50, -0.50 | -0.50 |" in text
+    assert "| division_plus:budget=20x - fp | 0,1 | -1.00, -1.00 | -1.00 |" in text
+
+
 def test_autocast_rows_measure_what_fp32_training_holds(tmp_path):
     """Under autocast a row also records fp32 training's activations (the paper's vanilla baseline), measured:
     equal to the bytes an fp32 run of the same step holds, byte for byte, and about twice the bf16 reference;
