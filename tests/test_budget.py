@@ -285,3 +285,15 @@ def test_plan_counts_a_relu_mask_once_whatever_the_choice():
         _, loss = engine._forward(model, x, y, state)()
     loss.backward()
     assert acc.report.held_bytes == plan.planned_bytes - plan.headroom_bytes
+
+
+def test_a_checkpoint_plan_for_another_model_is_refused():
+    """A saved plan is taken back only where it names exactly this step's sites and one of each site's options."""
+    from division.budget import Option, Site, _restored
+    sites = {"conv1:conv": Site("conv1", "conv", (2, 3, 8, 8), 1.0, [Option("2b/B8", None, 10, 0.1),
+                                                                       Option("exact", None, 40, 0.0)])}
+    assert _restored(sites, {"conv1:conv": "exact"}) == {"conv1:conv": 1}
+    with pytest.raises(ValueError, match="names sites .*conv2:conv.*resume=false"):
+        _restored(sites, {"conv2:conv": "exact"})
+    with pytest.raises(ValueError, match=r"chose '4b/B8' at conv1:conv; valid choices there: \['2b/B8', 'exact'\]"):
+        _restored(sites, {"conv1:conv": "4b/B8"})

@@ -337,3 +337,30 @@ def test_run_id_ignores_where_the_data_is_read_from():
     assert config_hash(moved) == config_hash(cfg)
     assert config_hash({**cfg, "data": {**cfg["data"], "batch_size": 512}}) != config_hash(cfg)
     assert config_hash({**cfg, "data": {**cfg["data"], "name": "cifar100"}}) != config_hash(cfg)
+
+
+def test_resumed_budget_run_keeps_its_plan(tmp_path, monkeypatch):
+    """A budgeted run resumed from a checkpoint goes on with the plan it was making, not one made afresh from
+    the weights it resumes with: it ends as the run that was never stopped (weights equal, stochastic rounding
+    included)."""
+    import torch
+    from division import engine
+    args = SYN + ["method=division_plus", "method.budget=12x", "data.train_size=64", "trainer.epochs=2",
+                  "trainer.checkpoint_every_steps=3", "optim.lr=0.5"]
+    straight = run_train(args, tmp_path / "straight")
+    real_step = engine.train_step
+
+    def killed_at_step_12(*a, **k):
+        if a[6].global_step == 12:
+            raise KeyboardInterrupt
+        return real_step(*a, **k)
+    monkeypatch.setattr(engine, "train_step", killed_at_step_12)
+    with pytest.raises(KeyboardInterrupt):
+        run_train(args, tmp_path / "resumed")
+    monkeypatch.setattr(engine, "train_step", real_step)
+    resumed = run_train(args + ["resume=true"], tmp_path / "resumed")
+    plans = [r["method_info"]["budget_plan"]["layers"] for r in (straight, resumed)]
+    assert [p["choice"] for p in plans[0]] == [p["choice"] for p in plans[1]]
+    weights = [torch.load(next(Path(tmp_path, d).rglob("checkpoint.pt")), weights_only=False)["model"]
+               for d in ("straight", "resumed")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])

@@ -462,11 +462,26 @@ class BudgetObserver:
         self.handles = []
 
 
+def _restored(sites: Dict[str, Site], chosen: Dict[str, str]) -> Dict[str, int]:
+    """Option indices for a saved plan's choices, which must name exactly this step's sites and options."""
+    if set(chosen) != set(sites):
+        raise ValueError(f"the checkpoint's budget plan names sites {sorted(set(chosen) ^ set(sites))[:4]} that this "
+                         "model's step does not have, or lacks them: it was made for another model or batch; "
+                         "delete the checkpoint or run with resume=false")
+    names = {key: [o.name for o in site.options] for key, site in sites.items()}
+    bad = [(k, v) for k, v in chosen.items() if v not in names[k]]
+    if bad:
+        raise ValueError(f"the checkpoint's budget plan chose {bad[0][1]!r} at {bad[0][0]}; valid choices there: "
+                         f"{names[bad[0][0]]}: delete the checkpoint or run with resume=false")
+    return {k: names[k].index(v) for k, v in chosen.items()}
+
+
 def make_plan(observer: BudgetObserver, records, budget: tuple, fp_bytes: Optional[int],
-              outside_bytes: int = 0) -> Plan:
+              outside_bytes: int = 0, chosen: Optional[Dict[str, str]] = None) -> Plan:
     """The plan for ``budget`` from an observed step: its sites, and the policy's records of that step (what
     they held, by storage, gives the bytes outside the plan; ``outside_bytes``: what plain autograd saved
-    beside the policy in that step)."""
+    beside the policy in that step). ``chosen`` (site key -> option name, a checkpoint's plan): those choices
+    instead of a new allocation."""
     kind, value = budget
     if kind == "ratio" and not fp_bytes:
         raise ValueError("a ratio budget needs the full-precision equivalent: calibrate the method first")
@@ -476,6 +491,9 @@ def make_plan(observer: BudgetObserver, records, budget: tuple, fp_bytes: Option
         if site_key(r.layer, r.kind) not in observer.sites or r.shared:
             other.update(r.held)
     fixed = sum(other.values()) + outside_bytes
+    if chosen is not None:
+        return Plan(budget_bytes, fixed, _restored(observer.sites, chosen), dict(observer.sites), fp_bytes,
+                    observer.seconds)
     try:
         choices = allocate(observer.sites, budget_bytes - fixed)
     except _Infeasible:

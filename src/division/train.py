@@ -16,14 +16,15 @@ from division import api, dist, engine, loggers, models, results
 CONFIG_DIR = str(division.CONFIG_DIR)
 
 
-def calibrate(method, model, loader, state, info):
+def calibrate(method, model, loader, state, info, plan_state=None):
     """``method.budget``: the method plans each layer's precision from one observed step on the first training
-    batch (no update), before training and before the first accounted step."""
+    batch (no update), before training and before the first accounted step; a resumed run takes back its
+    checkpoint's plan (``plan_state``) instead of planning afresh from the weights it resumes with."""
     if getattr(method, "budget", None) is None:
         return
     x, y = next(iter(loader))
     x, y = x.to(state.device), y.to(state.device)
-    plan = method.calibrate(model, engine._forward(model, x, y, state))
+    plan = method.calibrate(model, engine._forward(model, x, y, state), plan_state)
     if info.is_main:
         print(f"budget: {plan.planned_bytes / 2**20:.2f} MiB planned of {plan.budget_bytes / 2**20:.2f} MiB "
               f"({plan.fixed_bytes / 2**20:.2f} MiB outside the plan); estimated in {plan.observe_seconds:.1f} s",
@@ -191,7 +192,7 @@ def run(cfg: DictConfig) -> dict:
         "codec_backends": None,
         "peak_mem_how": None, "wall_time_s": 0.0,
     }
-    start_epoch, partial = 0, None
+    start_epoch, partial, ckpt = 0, None, None
     requeued = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0  # SLURM requeue: always continue
     if (cfg.get("resume") or requeued) and ckpt_path.exists():
         ckpt = load_checkpoint(ckpt_path, device)
@@ -216,7 +217,7 @@ def run(cfg: DictConfig) -> dict:
             print(f"resume: {ckpt_path} at epoch {start_epoch}, step {state.global_step}"
                   + (f" ({partial['steps']} steps into it)" if partial else ""))
 
-    calibrate(method, model, train_loader, state, info)  # after a resume: from the weights training continues with
+    calibrate(method, model, train_loader, state, info, ckpt.get("budget_plan") if ckpt else None)
     logger = loggers.build(cfg.logger, resolved, run_dir.name, info.is_main)
     state.log_every = int(cfg.logger.get("log_every", 0) or 0)
     state.on_log = lambda metrics, step: logger.log({k: v for k, v in metrics.items() if v is not None}, step=step)
@@ -242,7 +243,8 @@ def run(cfg: DictConfig) -> dict:
             "rng_cpu": torch.get_rng_state(),
             "rng_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
             "epoch": epoch, "global_step": state.global_step, "epochs": result["epochs"], "partial": partial_sums,
-            "code_version": code, "wall_time_s": time.perf_counter() - t_start})
+            "code_version": code, "wall_time_s": time.perf_counter() - t_start,
+            "budget_plan": method.plan_state() if hasattr(method, "plan_state") else None})
 
     try:
         for epoch in range(start_epoch, epochs):

@@ -1,6 +1,7 @@
 """Methods that keep compressed copies of activations through the saving policy (DIVISION, ActNN-style,
 BLPA, the per-channel ablation). They differ only in which codec keeps which tensor."""
 import time
+from typing import Optional
 from abc import ABCMeta, abstractmethod
 from functools import partial
 
@@ -182,7 +183,13 @@ class Division(PolicyMethod):
             self._observer = BudgetObserver(self._model)
             self._observer.forwards = 1
 
-    def _finish_plan(self, records):
+    def plan_state(self) -> Optional[dict]:
+        """The plan's choices (site key -> option name) for a checkpoint, or None without a plan."""
+        if self.plan is None:
+            return None
+        return {"choices": {k: self.plan.sites[k].options[i].name for k, i in self.plan.choices.items()}}
+
+    def _finish_plan(self, records, chosen=None):
         from division.budget import make_plan
         observer, self._observer = self._observer, None
         observer.close()
@@ -191,12 +198,15 @@ class Division(PolicyMethod):
             # all zero where no weight gradient depends on the site in that step (a residual branch whose last
             # batch norm starts at zero): the estimate from norms then, so that such sites still get bytes
             site.sensitivities = measured if measured and any(measured) else None
-        self.plan = make_plan(observer, records, self.budget, self._fp_bytes, self._outside_bytes)
+        self.plan = make_plan(observer, records, self.budget, self._fp_bytes, self._outside_bytes, chosen)
 
-    def calibrate(self, model: nn.Module, run_forward):
+    def calibrate(self, model: nn.Module, run_forward, plan_state: Optional[dict] = None):
         """With ``method.budget``: observe one training step of ``run_forward`` (forward and backward, no
         update; batch-norm statistics, random state and gradients left as they were) and plan each layer's
-        precision for the budget. A budget below the cheapest plan is an error naming the least feasible one."""
+        precision for the budget. A budget below the cheapest plan is an error naming the least feasible one.
+        ``plan_state`` (:meth:`plan_state` of a checkpoint): that plan's choices are taken back instead (no
+        probe), so that a resumed run goes on as the one that was never stopped (with ``budget_refresh``, the
+        next re-plan then comes ``budget_refresh`` steps after the resume)."""
         if self.budget is None:
             return None
         from division.budget import BudgetObserver, probe_sensitivities
@@ -218,7 +228,7 @@ class Division(PolicyMethod):
                 self._observer.close()
                 records, fused = list(self.policy.records), dict(self.policy.fused)
                 residual = dict(self.policy.residual)
-                if self.budget_probe:
+                if self.budget_probe and plan_state is None:
                     start = time.perf_counter()
                     with self.bypassed():
                         self._sensitivity = probe_sensitivities(model, run_forward, self._observer.sites, fused,
@@ -226,7 +236,7 @@ class Division(PolicyMethod):
                     self._observer.seconds += time.perf_counter() - start
             records_total = sum({k: n for r in records for k, n in r.held}.values())
             self._outside_bytes = max(0, acc.report.held_bytes - records_total)
-            self._finish_plan(records)
+            self._finish_plan(records, None if plan_state is None else plan_state["choices"])
         finally:
             if self._observer is not None:
                 self._observer.close()
