@@ -226,23 +226,28 @@ def test_imagenet_vit_on_cifar_takes_the_fix_its_error_names(tmp_path):
     assert result["status"] == "ok" and result["input_size"] == 112 and result["config"]["optim"]["name"] == "adamw"
 
 
+def _run_killed_at_step(args, path, monkeypatch, step: int):
+    """Run training into ``path`` and interrupt it as the training step at global step ``step`` begins."""
+    from division import engine
+    real_step = engine.train_step
+
+    def killed(*a, **k):
+        if a[6].global_step == step:
+            raise KeyboardInterrupt
+        return real_step(*a, **k)
+    monkeypatch.setattr(engine, "train_step", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_train(args, path)
+    monkeypatch.setattr(engine, "train_step", real_step)
+
+
 def test_run_resumed_mid_epoch_ends_as_an_uninterrupted_one(tmp_path, monkeypatch):
     """Checkpoints every 3 steps; killed in the middle of epoch 2, resumed: same weights (DIVISION's stochastic
     rounding included), same epoch metrics as a run that was never stopped."""
     import torch
-    from division import engine
     args = SYN + ["method=division", "data.train_size=64", "trainer.epochs=2", "trainer.checkpoint_every_steps=3"]
     straight = run_train(args, tmp_path / "straight")
-    real_step = engine.train_step
-
-    def killed_at_step_12(*a, **k):
-        if a[6].global_step == 12:  # epoch 2, its 5th step; the last checkpoint came after its 3rd
-            raise KeyboardInterrupt
-        return real_step(*a, **k)
-    monkeypatch.setattr(engine, "train_step", killed_at_step_12)
-    with pytest.raises(KeyboardInterrupt):
-        run_train(args, tmp_path / "resumed")
-    monkeypatch.setattr(engine, "train_step", real_step)
+    _run_killed_at_step(args, tmp_path / "resumed", monkeypatch, 12)  # epoch 2, its 5th step; checkpoint after 3rd
     ckpt_path = next(Path(tmp_path, "resumed").rglob("checkpoint.pt"))
     saved = torch.load(ckpt_path, weights_only=False)
     assert (saved["epoch"], saved["global_step"], saved["partial"]["steps"]) == (1, 11, 3)
@@ -344,20 +349,10 @@ def test_resumed_budget_run_keeps_its_plan(tmp_path, monkeypatch):
     the weights it resumes with: it ends as the run that was never stopped (weights equal, stochastic rounding
     included)."""
     import torch
-    from division import engine
     args = SYN + ["method=division_plus", "method.budget=12x", "data.train_size=64", "trainer.epochs=2",
                   "trainer.checkpoint_every_steps=3", "optim.lr=0.5"]
     straight = run_train(args, tmp_path / "straight")
-    real_step = engine.train_step
-
-    def killed_at_step_12(*a, **k):
-        if a[6].global_step == 12:
-            raise KeyboardInterrupt
-        return real_step(*a, **k)
-    monkeypatch.setattr(engine, "train_step", killed_at_step_12)
-    with pytest.raises(KeyboardInterrupt):
-        run_train(args, tmp_path / "resumed")
-    monkeypatch.setattr(engine, "train_step", real_step)
+    _run_killed_at_step(args, tmp_path / "resumed", monkeypatch, 12)
     resumed = run_train(args + ["resume=true"], tmp_path / "resumed")
     plans = [r["method_info"]["budget_plan"]["layers"] for r in (straight, resumed)]
     assert [p["choice"] for p in plans[0]] == [p["choice"] for p in plans[1]]

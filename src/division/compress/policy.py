@@ -263,7 +263,7 @@ class SavePolicy:
                 packed = compact_relu(packed, mask, self.backend)
             record.codec = packed.kind
             record.backend = "" if packed.backend == "none" else packed.backend
-            record.held = [(storage_key(t), t.untyped_storage().nbytes()) for t in packed.tensors() if t is not None]
+            record.held = _held(packed.tensors())
             self._cache[self._key(x)] = (weakref.ref(x), packed, mask)
             self._codes_site[id(packed)] = f"{layer}:{kind}"
         self.records.append(record)
@@ -276,29 +276,31 @@ class SavePolicy:
         """Record an exact mask (ReLU, dropout) and remember it for a later compression of ``y`` (an in-place
         ReLU's output gets one more version bump when its autograd function returns)."""
         self.flush()
-        self.records.append(SaveRecord(layer, kind, mask.kind, tuple(y.shape), fp_bytes,
-                                       [(storage_key(mask.packed), mask.packed.untyped_storage().nbytes())],
+        self.records.append(SaveRecord(layer, kind, mask.kind, tuple(y.shape), fp_bytes, _held([mask.packed]),
                                        fp_key=fp_key, backend=mask.backend))
         if kind == "relu":
             self._masks[self._key(y)[:4]] = (weakref.ref(y), mask, y._version + (1 if inplace else 0))
 
     def save_extra(self, t: torch.Tensor, kind: str, layer: str, codec: str, fp_bytes: int, fp_key=None):
         self.flush()
-        self.records.append(SaveRecord(layer, kind, codec, tuple(t.shape), fp_bytes,
-                                       [(storage_key(t), t.untyped_storage().nbytes())], fp_key=fp_key))
+        self.records.append(SaveRecord(layer, kind, codec, tuple(t.shape), fp_bytes, _held([t]), fp_key=fp_key))
 
     def save_gelu(self, x: torch.Tensor, layer: str, approximate: str) -> GeluDerivative:
         """GELU's derivative at ``x`` in ``gelu_bits`` bits (codecs/fewbit.py), held instead of ``x``."""
         self.flush()
         packed = self.gelu.encode(x, approximate)
         self.records.append(SaveRecord(layer, "gelu", packed.kind, tuple(x.shape), x.numel() * x.element_size(),
-                                       [(storage_key(t), t.untyped_storage().nbytes()) for t in packed.tensors()],
-                                       fp_key=self.ids(x), backend=packed.backend))
+                                       _held(packed.tensors()), fp_key=self.ids(x), backend=packed.backend))
         return packed
 
     def save_nothing(self, kind: str, layer: str, shape, fp_bytes: int, fp_key=None):
         self.flush()
         self.records.append(SaveRecord(layer, kind, "none", tuple(shape), fp_bytes, [], fp_key=fp_key))
+
+
+def _held(tensors) -> list:
+    """(storage key, bytes) of each tensor held (None entries skipped), as a SaveRecord lists them."""
+    return [(storage_key(t), t.untyped_storage().nbytes()) for t in tensors if t is not None]
 
 
 class Saved:

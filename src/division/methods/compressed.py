@@ -1,9 +1,9 @@
 """Methods that keep compressed copies of activations through the saving policy (DIVISION, ActNN-style,
 BLPA, the per-channel ablation). They differ only in which codec keeps which tensor."""
 import time
-from typing import Optional
 from abc import ABCMeta, abstractmethod
 from functools import partial
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -187,7 +187,7 @@ class Division(PolicyMethod):
         """The plan's choices (site key -> option name) for a checkpoint, or None without a plan."""
         if self.plan is None:
             return None
-        return {"choices": {k: self.plan.sites[k].options[i].name for k, i in self.plan.choices.items()}}
+        return {"choices": {k: self.plan.option(k).name for k in self.plan.choices}}
 
     def _finish_plan(self, records, chosen=None):
         from division.budget import make_plan
