@@ -1,6 +1,7 @@
 """torch.compile with a compressing method: the model compiled whole, the compiled graph's saved maps encoded
 through saved-tensor hooks (division/compress/saved_hooks.py). A small conv net keeps compilation to seconds."""
 import copy
+import math
 
 import pytest
 import torch
@@ -336,3 +337,78 @@ def test_compiled_actnn_runs_the_group_kernel_and_matches_eager():
     assert 0.99 < report_c.held_bytes / report_e.held_bytes < 1.01
     plans = [p for p in m_compiled.saved_tensor_route.plans.values() if p.action == "encode"]
     assert len(plans) == 10 and all(p.groups and p.kernel == kernels_built for p in plans)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (2, 8, 6, 6), (1, 1, 1, 9)])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_mask_operators_pack_in_memory_order_and_unpack_exactly(shape, channels_last):
+    """The kernel's mask operators (used for every bool mask a compiled CPU graph saves): bits laid out as
+    the traced packing lays out the mask's memory order (so both read each other's bytes), and the mask comes
+    back exactly, in its own layout. Odd sizes leave a partial last byte."""
+    from division import kernels
+    from division.compress import graph_hooks, ops
+    if not kernels.available():
+        pytest.skip("no C compiler: the traced packing is used")
+    mask = torch.rand(shape, generator=torch.Generator().manual_seed(3)) > 0.5
+    if channels_last:
+        mask = mask.to(memory_format=torch.channels_last)
+    packed = torch.ops.division.pack_mask(mask)
+    in_memory_order = mask.permute(0, 2, 3, 1) if ops.is_channels_last(mask) else mask
+    assert torch.equal(packed, graph_hooks.pack_bools(in_memory_order.contiguous()).reshape(-1))
+    back = torch.ops.division.unpack_mask(packed, list(shape), ops.is_channels_last(mask))
+    assert back.dtype == torch.bool and torch.equal(back, mask)
+    assert ops.is_channels_last(back) == ops.is_channels_last(mask)
+
+
+def test_unpack_mask_kernel_spreads_every_byte_value():
+    """Each of the 256 byte values unpacks to its eight bits (the branch-free spread), and a tail shorter
+    than a byte takes only its own bits."""
+    from division import kernels
+    from division.codecs.packing import unpack_bits
+    lib = kernels.library()
+    if lib is None:
+        pytest.skip("no C compiler")
+    packed = torch.arange(256, dtype=torch.uint8)
+    for n in (2048, 2045):
+        out = torch.empty(n, dtype=torch.uint8)
+        lib.unpack_mask(packed.data_ptr(), n, out.data_ptr(), 2)
+        assert torch.equal(out, unpack_bits(packed, 1, n))
+
+
+def test_compiled_graph_masks_go_through_the_kernel_operators():
+    """A ReLU before a max-pool: the compiled graph saves the ReLU's mask as a bool tensor; on a CPU it is
+    packed by the kernel's operators (the traced bit arithmetic, fused into the max-pool's backward, made that
+    loop scalar), a bit per element, and the step's gradients equal those of the traced packing exactly (both
+    hold the same bits; 8-bit nearest codes elsewhere)."""
+    from division import kernels
+    if not kernels.available():
+        pytest.skip("no C compiler")
+
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                             nn.MaxPool2d(3, 2, 1), nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),
+                             nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+
+    x, y = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(5)), torch.arange(4) % 10
+    grads, masks = [], []
+    for traced in (False, True):
+        torch._dynamo.reset()
+        model, method = net(), build({"name": "division", "hfc_bits": 8, "stochastic": False})
+        method.prepare(model)
+        api.compile_model(model, method)
+        if traced:
+            from division.compress import ops
+            original = ops.masks_available
+            ops.masks_available = lambda mask: False
+        try:
+            _step(model, method, x, y)
+        finally:
+            if traced:
+                ops.masks_available = original
+        masks.append([p for p in method.saved_tensor_route.plans.values() if p.action == "bits"])
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert masks[0] and all(p.kernel and p.held_bytes == -(-math.prod(p.shape) // 8) for p in masks[0])
+    assert not any(p.kernel for p in masks[1])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

@@ -16,7 +16,8 @@ maps in bf16, as the eager codec keeps them). ReLU outputs are saved rather than
 (:class:`SaveReluOutputs`). A map that the
 backward compares with zero (a ReLU's ``le(out, 0)`` mask) also keeps one exact bit per element saying
 whether it is > 0, without which a decoded zero that came back positive would let gradient through. Boolean
-4-D masks the graph saves are packed eight to a byte. Everything else is held as the graph holds it.
+4-D masks the graph saves are packed eight to a byte (on a CPU by the kernel library's operators). Everything
+else is held as the graph holds it.
 
 Held bytes are what the compiled function really saves (its autograd node's saved tensors after the
 forward, de-duplicated by storage); the per-map breakdown comes from the trace.
@@ -220,7 +221,7 @@ class Plan:
     dtype: torch.dtype
     action: str  # "encode" | "bits" (a boolean mask) | "bf16" | "keep"
     sign: bool = False
-    kernel: bool = False  # encoded by the C kernel's operators (their layout), not the traced ops
+    kernel: bool = False  # encoded (or a mask packed) by the C kernel's operators (their layout), not the traced ops
     channels_last: bool = False  # by the kernel's operators for maps laid out (N, H, W, C)
     groups: bool = False  # ActNN's groups (the kernel's group operators: no ReLU-sign variant)
     fp_bytes: int = 0
@@ -322,7 +323,9 @@ class GraphCodecHooks:
             return self.eager_saved(x) if self.eager_saved is not None else x
         plan = self._current = self._plan(x)
         if plan.action == "bits":
-            parts = (pack_bools(x),)
+            plan.kernel = self.codec.cpu_kernel and ops.masks_available(x)
+            plan.channels_last = plan.kernel and ops.is_channels_last(x)
+            parts = (torch.ops.division.pack_mask(x),) if plan.kernel else (pack_bools(x),)
         elif plan.action == "bf16":
             if x.dtype in (torch.bfloat16, torch.float16):  # already 2 bytes: nothing to gain
                 plan.action = "keep"
@@ -350,6 +353,8 @@ class GraphCodecHooks:
             return packed
         plan = self._current  # AOTAutograd traces a node's unpack right after its pack
         if plan.action == "bits":
+            if plan.kernel:
+                return torch.ops.division.unpack_mask(packed[0], list(plan.shape), plan.channels_last)
             return unpack_bools(packed[0], plan.shape)
         if plan.action == "bf16":
             return packed[0].to(plan.dtype)

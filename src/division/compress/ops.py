@@ -205,6 +205,58 @@ def _(lfc, packed, minimum, scale, signs, bits, h, w, bh, bw, floor):
     return _channels_last_empty(lfc, h, w)
 
 
+# --- boolean masks the compiled graph saves (a ReLU's mask beside a max-pool, a ReLU's at the network's end) --
+# Packed eight to a byte by the kernel library, in the mask's memory order. The traced packing
+# (graph_hooks.pack_bools) fused its bit arithmetic into the kernels that consume the mask, which turned them
+# scalar: ResNet-50's stem backward (max-pool, ReLU and batch norm in one loop) took 3x compiled fp's time.
+
+def masks_available(mask: Tensor) -> bool:
+    """Whether :func:`pack_mask` runs the kernel for ``mask`` (a CPU bool tensor, the library built)."""
+    if mask.device.type != "cpu" or mask.dtype != torch.bool:
+        return False
+    from division import kernels
+    return kernels.library() is not None
+
+
+def _memory_order(x: Tensor) -> Tensor:
+    """``x``'s elements as a contiguous tensor in the order memory holds them (no copy for channels-last)."""
+    return x.permute(0, 2, 3, 1) if is_channels_last(x) else x.contiguous()
+
+
+@torch.library.custom_op("division::pack_mask", mutates_args=(), device_types="cpu")
+def pack_mask(mask: Tensor) -> Tensor:
+    """A bool ``mask``, one bit per element in its memory order (the first element in the low bit)."""
+    from division import kernels
+    flat = _memory_order(mask).reshape(-1).view(torch.uint8)
+    out = torch.empty((packed_nbytes(flat.numel(), 1),), dtype=torch.uint8)
+    kernels.library().pack_codes(flat.data_ptr(), flat.numel(), 1, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+@pack_mask.register_fake
+def _(mask):
+    return mask.new_empty((packed_nbytes(mask.numel(), 1),), dtype=torch.uint8)
+
+
+def _empty_mask(shape: List[int], channels_last: bool, device=None) -> Tensor:
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    return torch.empty(shape, dtype=torch.bool, device=device, memory_format=layout)
+
+
+@torch.library.custom_op("division::unpack_mask", mutates_args=(), device_types="cpu")
+def unpack_mask(packed: Tensor, shape: List[int], channels_last: bool) -> Tensor:
+    """Inverse of :func:`pack_mask`: the bool mask of ``shape``, laid out channels-last if it was."""
+    from division import kernels
+    out = _empty_mask(shape, channels_last)
+    kernels.library().unpack_mask(packed.data_ptr(), out.numel(), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+@unpack_mask.register_fake
+def _(packed, shape, channels_last):
+    return _empty_mask(shape, channels_last, packed.device)
+
+
 # --- ActNN-style groups ----------------------------------------------------------------------------------------
 # Each sample's activation, flattened in NCHW order, cut into groups of ``group`` elements (the last padded
 # with its sample's last element), a minimum and scale per group: GroupwiseCodec's encoding through the same

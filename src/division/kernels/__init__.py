@@ -73,6 +73,8 @@ def _build() -> ctypes.CDLL:
     lib.mask_positive.restype = None
     lib.mask_apply.argtypes = [p, p, i64, p, i32]
     lib.mask_apply.restype = None
+    lib.unpack_mask.argtypes = [p, i64, p, i32]
+    lib.unpack_mask.restype = None
     lib.maxpool_codes.argtypes = [p, i64, i64, i64, i32, i32, i32, i32, i32, i32, i64, i64, p, p, i32]
     lib.maxpool_codes.restype = None
     lib.maxpool_codes_backward.argtypes = [p, p, i32, i64, i64, i64, i32, i32, i32, i32, i32, i64, i64, p, i32]

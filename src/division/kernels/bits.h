@@ -123,6 +123,14 @@ static inline void unpack_aligned(const uint8_t *restrict in, int64_t n, int bit
     }
 }
 
+/* One mask byte's eight bits as eight 0/1 bytes (bit j in byte j, little end first), without a branch: the
+ * multiply copies the byte into every byte, the AND keeps bit j in byte j, and adding 0x7F carries a set bit
+ * into that byte's top bit (no carry crosses bytes: 0x80 + 0x7F = 0xFF). */
+static inline uint64_t spread_bits(uint8_t b) {
+    const uint64_t picked = ((uint64_t)b * 0x0101010101010101ull) & 0x8040201008040201ull;
+    return ((picked + 0x7F7F7F7F7F7F7F7Full) >> 7) & 0x0101010101010101ull;
+}
+
 /* Mask bits as 16-lane words: bits base .. base + 15 of a packed bit mask of ``nbytes`` bytes (bits past the
  * end read as 0). Whole 16-bit words when base is a multiple of 16, else three bytes shifted. */
 static inline uint32_t bits16(const uint8_t *restrict mask, int64_t nbytes, int64_t base) {

@@ -1,5 +1,5 @@
 /* Bit-mask and packing kernels: codes of unaligned maps packed over the flattened tensor, and the ReLU
- * mask (pack y > 0, apply to a gradient), WRPN's k-bit ReLU with its mask. OpenMP over bytes. */
+ * mask (pack y > 0, apply to a gradient, unpack to bytes), WRPN's k-bit ReLU with its mask. OpenMP over bytes. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -138,6 +138,17 @@ void mask_apply(const float *g, const uint8_t *mask, int64_t n, float *out, int 
 #endif
     }
     for (int64_t e = words * 16; e < n; e++) out[e] = ((mask[e >> 3] >> (e & 7)) & 1u) ? g[e] : 0.0f;
+}
+
+/* Inverse of pack_codes at 1 bit: out[i] = bit i of the mask (0 or 1, a bool tensor's bytes). */
+void unpack_mask(const uint8_t *packed, int64_t n, uint8_t *out, int threads) {
+    const int64_t full = n / 8;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t k = 0; k < full; k++) {
+        const uint64_t v = spread_bits(packed[k]);
+        memcpy(out + 8 * k, &v, 8);
+    }
+    for (int64_t e = full * 8; e < n; e++) out[e] = (uint8_t)((packed[e >> 3] >> (e & 7)) & 1u);
 }
 
 /* A convolution's input rebuilt from its batch norm's input y (maps of hw elements, channel m % channels):

@@ -164,8 +164,7 @@ int division_decode_nhwc(const uint8_t *packed, const uint16_t *lfc, const float
                         float *restrict o = out + p;
                         if (signs && (c & 7) == 0) {  /* the pixel's bits are whole bytes: spread to 0/1 bytes */
                             for (int64_t k = 0; k < c / 8; k++) {
-                                uint64_t t = (signs[(p >> 3) + k] * 0x0101010101010101ull) & 0x8040201008040201ull;
-                                t = ((t + 0x7F7F7F7F7F7F7F7Full) >> 7) & 0x0101010101010101ull;
+                                const uint64_t t = spread_bits(signs[(p >> 3) + k]);
                                 memcpy(bit + 8 * k, &t, 8);
                             }
 #pragma omp simd
