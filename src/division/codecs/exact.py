@@ -83,7 +83,20 @@ class BitMask(Packed):
         n = 1
         for s in self.shape:
             n *= s
-        return unpack_bits(self.packed, 1, n).view(self.shape).bool()
+        lib = _mask_kernel(self.packed, self.backend)
+        if lib is None:
+            return unpack_bits(self.packed, 1, n).view(self.shape).bool()
+        out = torch.empty(self.shape, dtype=torch.bool)
+        lib.unpack_mask(self.packed.data_ptr(), n, out.data_ptr(), torch.get_num_threads())
+        return out
+
+
+def _mask_kernel(packed: torch.Tensor, backend: str):
+    """The CPU kernel library for unpacking a mask the kernels made (backend "compiled"), else None."""
+    if backend != "compiled" or packed.device.type != "cpu":
+        return None
+    from division import kernels
+    return kernels.library()
 
 
 @dataclass(eq=False)

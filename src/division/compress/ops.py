@@ -238,23 +238,20 @@ def _(mask):
     return mask.new_empty((packed_nbytes(mask.numel(), 1),), dtype=torch.uint8)
 
 
-def _empty_mask(shape: List[int], channels_last: bool, device=None) -> Tensor:
-    layout = torch.channels_last if channels_last else torch.contiguous_format
-    return torch.empty(shape, dtype=torch.bool, device=device, memory_format=layout)
-
-
 @torch.library.custom_op("division::unpack_mask", mutates_args=(), device_types="cpu")
 def unpack_mask(packed: Tensor, shape: List[int], channels_last: bool) -> Tensor:
     """Inverse of :func:`pack_mask`: the bool mask of ``shape``, laid out channels-last if it was."""
-    from division import kernels
-    out = _empty_mask(shape, channels_last)
-    kernels.library().unpack_mask(packed.data_ptr(), out.numel(), out.data_ptr(), torch.get_num_threads())
-    return out
+    from division.codecs.exact import BitMask
+    if not channels_last:
+        return BitMask(packed, torch.Size(shape), "compiled").decode()
+    n, c, h, w = shape
+    return BitMask(packed, torch.Size((n, h, w, c)), "compiled").decode().permute(0, 3, 1, 2)
 
 
 @unpack_mask.register_fake
 def _(packed, shape, channels_last):
-    return _empty_mask(shape, channels_last, packed.device)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    return torch.empty(shape, dtype=torch.bool, device=packed.device, memory_format=layout)
 
 
 # --- ActNN-style groups ----------------------------------------------------------------------------------------
