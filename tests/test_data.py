@@ -8,7 +8,7 @@ from PIL import Image
 
 from conftest import compose
 from division import data as data_lib
-from division.data.arrays import DataNotFoundError, stratified_subset
+from division.data.arrays import DataNotFoundError, recompress_jpeg, stratified_subset
 
 CLASSES = ["cat", "dog", "emu"]
 
@@ -153,3 +153,31 @@ def test_imagenet_sampler_resumes_part_way(tmp_path):
     assert data_lib.skip_batches(train, 2)
     assert [y.tolist() for _, y in train] == full[2:]
     assert not data_lib.skip_batches([(torch.zeros(1), torch.zeros(1))], 1)
+
+
+def test_jpeg_quality_recompresses_train_and_test(tmp_path):
+    """data.jpeg_quality: both splits hold exactly the stored images after one more JPEG pass at that quality
+    (Pillow's codec is deterministic), and not the stored images themselves."""
+    _make_tree(tmp_path / "cifar10", size=16)
+    plain_train, plain_test, _ = data_lib.build(_cfg(tmp_path, tmp_path, image_size=16))
+    train, test, _ = data_lib.build(_cfg(tmp_path, tmp_path, image_size=16, jpeg_quality=50))
+    for plain, dosed in ((plain_train, train), (plain_test, test)):
+        stored = plain.images.permute(0, 2, 3, 1).numpy()
+        expected = torch.from_numpy(recompress_jpeg(stored, 50)).permute(0, 3, 1, 2)
+        assert torch.equal(dosed.images, expected)
+        assert not torch.equal(dosed.images, plain.images)
+        assert torch.equal(dosed.labels, plain.labels)
+
+
+def test_jpeg_quality_is_a_dose():
+    """Lower quality loses more: the mean absolute change grows as the quality falls."""
+    rng = np.random.default_rng(1)
+    smooth = np.cumsum(rng.integers(-8, 9, (20, 32, 32, 3)), axis=2).clip(0, 255).astype(np.uint8)
+    error = [np.abs(recompress_jpeg(smooth, q).astype(int) - smooth).mean() for q in (95, 75, 50, 20)]
+    assert error == sorted(error) and error[0] < error[-1]
+
+
+@pytest.mark.parametrize("quality", [0, 96, 7.5, "high"])
+def test_jpeg_quality_rejects_bad_values(quality):
+    with pytest.raises(ValueError, match="jpeg_quality.*valid choices"):
+        recompress_jpeg(np.zeros((1, 8, 8, 3), np.uint8), quality)

@@ -7,7 +7,8 @@ from typing import List
 import numpy as np
 import torch
 
-from division.data.arrays import (DataNotFoundError, TensorLoader, load_split, stratified_subset)
+from division.data.arrays import (DataNotFoundError, TensorLoader, load_split, recompress_jpeg,
+                                  stratified_subset)
 
 DATASETS = ("cifar10", "cifar100", "imagenet", "synthetic")
 
@@ -90,6 +91,9 @@ def build(cfg, seed: int = 0, rank: int = 0, world_size: int = 1, device=None):
     if test_subset:
         keep = stratified_subset(yte, test_subset, seed)
         xte, yte = xte[keep], yte[keep]
+    quality = cfg.get("jpeg_quality")
+    if quality is not None:  # train and test alike: the same images, one more JPEG pass
+        xtr, xte = recompress_jpeg(xtr, quality), recompress_jpeg(xte, quality)
     size = int(xtr.shape[1] if cfg.get("image_size") is None else cfg.image_size)
     if size < 1:
         raise ValueError(f"data.image_size={size} is invalid; it must be >= 1 (the images are {xtr.shape[1]}x{xtr.shape[1]})")

@@ -138,6 +138,22 @@ def load_split(root: Path, split: str, candidates: List[str], download: bool,
         f"{candidates}; or allow data.download=true with network access.")
 
 
+def recompress_jpeg(images: np.ndarray, quality: int) -> np.ndarray:
+    """``images`` (N, H, W, 3 uint8) encoded once more as JPEG at ``quality`` (Pillow, 4:2:0 chroma) and decoded:
+    a controlled extra dose of JPEG loss, for measuring how much a recipe's accuracy depends on it (the
+    shipped CIFAR-10 copy is itself JPEG at quality 75)."""
+    from PIL import Image
+    if not (isinstance(quality, (int, np.integer)) and 1 <= int(quality) <= 95):
+        raise ValueError(f"data.jpeg_quality={quality!r} is invalid; valid choices: null (images as stored) or "
+                         "an integer from 1 to 95")
+    out = np.empty_like(images)
+    for i, image in enumerate(images):
+        buffer = io.BytesIO()
+        Image.fromarray(image).save(buffer, format="JPEG", quality=int(quality), subsampling=2)
+        out[i] = _decode(buffer.getvalue())
+    return out
+
+
 def stratified_subset(labels: np.ndarray, per_class: int, seed: int) -> np.ndarray:
     """Indices of ``per_class`` images of each class, chosen by a seeded permutation (0 = all)."""
     if per_class <= 0:
