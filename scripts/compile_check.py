@@ -4,8 +4,10 @@ in alternating order; ratios taken per round, median and quartiles over rounds).
 
     python scripts/compile_check.py --model resnet20 --batch 128 --methods division,division_plus,actnn
     python scripts/compile_check.py --model resnet50 --batch 8 --image-size 224 --methods division
-    python scripts/compile_check.py --model resnet50 --batch 256 --image-size 224 --methods division \
-        --amp fp16 --device cuda --rounds 10        # the GPU ratio (scripts/gpu_check.py --only compile)
+    python scripts/compile_check.py --model resnet50 --batch 256 --image-size 224 \
+        --methods division,division:backend=reference --amp fp16 --device cuda --rounds 10
+        # the GPU ratio (scripts/gpu_check.py --only compile): the codec through the Triton operators and
+        # traced for Inductor (method.backend=reference), each against compiled fp
 
 Writes results/compile/<device>_<model>_b<batch>.json (commit, dirty flag, device recorded).
 """
@@ -31,14 +33,42 @@ def parse(argv=None):
     p.add_argument("--model", default="resnet20")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--image-size", type=int, default=32)
-    p.add_argument("--methods", default="division,division_plus,actnn")
+    p.add_argument("--methods", default="division,division_plus,actnn",
+                   help="method names, each optionally with options: division,division:backend=reference,"
+                        "division:hfc_bits=8,stochastic=false")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--amp", default="none", choices=list(engine.AMP_DTYPES),
                    help="autocast dtype (fp16 adds a gradient scaler, as the benchmarks do)")
     p.add_argument("--out", default=str(ROOT / "results" / "compile"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for spec in method_specs(args.methods):  # a bad name or option fails here, before any model is built
+        try:
+            build(load_config(spec))
+        except ValueError as err:
+            p.error(f"--methods: {err}")
+    return args
+
+
+def method_specs(text: str):
+    """``--methods`` as method specs (methods.load_config's ``name:key=value,key=value``): a comma-separated
+    item with ``=`` and no ``:`` is one more option of the spec before it."""
+    specs = []
+    for item in filter(None, text.split(",")):
+        if "=" in item and ":" not in item:
+            if not specs:
+                raise ValueError(f"--methods {text!r}: option {item!r} comes before any method name")
+            specs[-1] += f",{item}"
+        else:
+            specs.append(item)
+    return specs
+
+
+def _kernel_maps(method) -> int:
+    """Maps the compiled graphs encode through the kernel operators (compress/ops.py), not traced ops."""
+    plans = getattr(method.saved_tensor_route, "plans", {})
+    return sum(1 for p in plans.values() if p.action == "encode" and p.kernel)
 
 
 def _variant(base, name, compiled, device):
@@ -58,7 +88,7 @@ def main(argv=None):
     x = torch.randn(args.batch, 3, args.image_size, args.image_size, generator=torch.Generator().manual_seed(1))
     x, y = x.to(device), (torch.arange(args.batch) % 10).to(device)
     state = bench.step_state(device, args.amp)
-    names = ["fp"] + [m for m in args.methods.split(",") if m and m != "fp"]
+    names = ["fp"] + [m for m in method_specs(args.methods) if m != "fp"]
     variants, rows = {}, []
     for name in names:
         for compiled in (False, True):
@@ -70,7 +100,8 @@ def main(argv=None):
             report = out.report.use_fp_reference(fp)
             rows.append({"method": name, "compiled": compiled, "graph_breaks": api.graph_breaks() if compiled else 0,
                          "first_step_s": round(time.time() - t0, 2), "held_bytes": report.held_bytes,
-                         "fp_bytes": report.fp_bytes, "ratio": round(report.ratio, 4)})
+                         "fp_bytes": report.fp_bytes, "ratio": round(report.ratio, 4),
+                         "kernel_maps": _kernel_maps(method) if compiled else 0})
             print(rows[-1], flush=True)
             variants[(name, compiled)] = (model, method, opt)
     for _ in range(args.warmup):

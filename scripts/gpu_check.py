@@ -12,7 +12,8 @@ call is planned for), every result labelled with the device's name:
      seeds 0-19 in 4 sweeps side by side (experiment=cifar10_fast94_gpu; the data travels in .whl/data, see
      scripts/device/prepare.sh);
   8. compile (only with --only compile): torch.compile'd DIVISION / compiled fp against the eager ratio,
-     ResNet-50 at batch 256, fp16 (results/compile/<device>_resnet50_b256_fp16.json).
+     ResNet-50 at batch 256, fp16, the codec through the Triton operators and traced for Inductor
+     (method.backend=reference) (results/compile/<device>_resnet50_b256_fp16.json).
 
 Each step has its own time limit, cut to what is left of the budget; a step that fails or runs out of time
 leaves what it finished (each benchmark configuration is its own file) and the next step runs.
@@ -45,7 +46,7 @@ def steps(tag: str, force: bool = False):
              "--suite", f"gpu_{tag}", "--out", f"results/bench/gpu_{tag}"] + (["--force"] if force else [])
     return [
         ("tests", [py, "-m", "pytest", "-q", "-m", "cuda or not slow", "-p", "no:cacheprovider",
-                   "tests/test_cuda.py", "tests/test_triton.py", "tests/test_gpu_path.py"], 130),
+                   "tests/test_cuda.py", "tests/test_triton.py", "tests/test_gpu_path.py"], 140),
         ("paper", bench + ["--batches", "256,64,128", "--methods", PAPER_METHODS, "--steps", "8", "--warmup", "3"],
          220),
         ("paired", bench + ["--batches", "256", "--methods", "fp,division,division_plus", "--paired", "--steps", "12",
@@ -59,7 +60,8 @@ def steps(tag: str, force: bool = False):
                      "--amp", "fp16", "--device", "cuda"], 40),
         ("seeds", [py, "scripts/gpu_check.py", "--seed-shards", str(SEED_SHARDS)], 560),
         ("compile", [py, "scripts/compile_check.py", "--model", "resnet50", "--batch", "256", "--image-size", "224",
-                     "--methods", "division", "--amp", "fp16", "--device", "cuda", "--rounds", "10"], 420),
+                     "--methods", "division,division:backend=reference", "--amp", "fp16", "--device", "cuda",
+                     "--rounds", "10"], 420),
     ]
 
 

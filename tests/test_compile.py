@@ -153,6 +153,8 @@ def test_kernel_operators_decode_as_the_eager_kernel_does():
     assert torch.equal(back, eager)
     torch.library.opcheck(torch.ops.division.encode_maps.default, (x, 2, 8, 8, False))
     torch.library.opcheck(torch.ops.division.decode_maps.default, (*parts, 2, 20, 13, 8, 8))
+    torch.library.opcheck(torch.ops.division.decode_maps.default, (*parts, 2, 20, 13, 8, 8, torch.bfloat16))
+    assert torch.equal(torch.ops.division.decode_maps(*parts, 2, 20, 13, 8, 8, torch.bfloat16), eager.bfloat16())
 
 
 def test_kernel_operators_turn_a_map_with_nan_into_nan_only_there():
@@ -286,6 +288,118 @@ def test_relu_maps_come_back_with_their_exact_mask_and_no_denormals():
     assert torch.equal(general > 0, x > 0) and bool((general[x <= 0] <= 0).all())
 
 
+def _triton_or_skip():
+    from division.kernels import triton_codecs
+    if not triton_codecs.available(torch.device("cuda" if torch.cuda.is_available() else "cpu")):
+        pytest.skip("Triton is not installed")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tile", [None, 16])
+def test_cuda_operators_encode_and_decode_as_the_eager_triton_codec(dtype, tile, monkeypatch):
+    """The CUDA implementations of division::encode_maps/decode_maps (the Triton kernels; run here on CPU
+    tensors under Triton's interpreter, called directly, since the operators dispatch CPU tensors to the C
+    kernel) compute what the eager Triton codec computes: with nearest rounding (deterministic) the same LFC,
+    codes and statistics and the same rebuilt map, bit for bit, decoded straight into the map's dtype; also
+    with rows cut into tiles of 16 (the two-pass path of long rows)."""
+    from division.codecs.division import DivisionCodec
+    from division.compress import ops
+    from division.kernels import triton_codecs
+    _triton_or_skip()
+    if tile:
+        monkeypatch.setattr(triton_codecs, "DEFAULT_TILE", tile)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(2, 3, 20, 13, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    lfc, packed, minimum, scale = ops._encode_maps_triton(x, 2, 8, 8, False)
+    eager = DivisionCodec(hfc_bits=2, stochastic=False, backend="triton").encode(x)
+    assert torch.equal(lfc, eager.lfc) and torch.equal(packed, eager.hfc.packed)
+    assert torch.equal(minimum, eager.hfc.minimum) and torch.equal(scale, eager.hfc.scale)
+    back = ops._decode_maps_triton(lfc, packed, minimum, scale, 2, 20, 13, 8, 8, dtype)
+    assert back.dtype == dtype and torch.equal(back, eager.decode())
+    assert ops._decode_maps_triton(lfc, packed, minimum, scale, 2, 20, 13, 8, 8).dtype == torch.float32
+
+
+def test_cuda_operators_turn_a_map_with_nan_into_nan_only_there():
+    """As the C kernel's operators: a map that held a NaN gets a NaN minimum and decodes to NaN throughout
+    (its gradient shows it); the other maps decode as if it were not there."""
+    from division.compress import ops
+    _triton_or_skip()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(2, 2, 16, 16, generator=torch.Generator().manual_seed(0)).to(device)
+    bad = x.clone()
+    bad[1, 0, 3, 5] = float("nan")
+    clean = ops._decode_maps_triton(*ops._encode_maps_triton(x, 4, 8, 8, False), 4, 16, 16, 8, 8)
+    parts = ops._encode_maps_triton(bad, 4, 8, 8, False)
+    assert torch.isnan(parts[2]).tolist() == [False, False, True, False]
+    back = ops._decode_maps_triton(*parts, 4, 16, 16, 8, 8)
+    keep = torch.ones(2, 2, dtype=torch.bool, device=device)
+    keep[1, 0] = False
+    assert torch.isnan(back[1, 0]).all() and torch.equal(back[keep], clean[keep])
+
+
+def test_cuda_relu_operators_keep_the_exact_mask_and_the_floor():
+    """division::relu_signs on CUDA packs the same bits as the C kernel's (x > 0, the first element in the low
+    bit); decode_relu_maps gives the decoded map floored at the dtype's epsilon where the ReLU's output was
+    positive and exactly 0 elsewhere, in the map's dtype."""
+    from division.codecs.exact import BitMask
+    from division.compress import ops
+    _triton_or_skip()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.relu(torch.randn(2, 4, 16, 12, generator=torch.Generator().manual_seed(3))).half().to(device)
+    signs = ops._relu_signs_triton(x)
+    assert torch.equal(signs.cpu(), BitMask.encode(x.cpu() > 0).packed)
+    parts = ops._encode_maps_triton(x, 2, 8, 8, True)
+    eps = torch.finfo(torch.float16).eps
+    back = ops._decode_relu_maps_triton(*parts, signs, 2, 16, 12, 8, 8, eps, torch.float16)
+    decoded = ops._decode_maps_triton(*parts, 2, 16, 12, 8, 8, torch.float16)
+    assert back.dtype == torch.float16
+    assert torch.equal(back, torch.where(x > 0, decoded.clamp_min(eps), torch.zeros((), dtype=x.dtype,
+                                                                                    device=device)))
+
+
+@pytest.mark.parametrize("backend,kernels", [("auto", True), ("reference", False)])
+def test_backend_reference_leaves_the_compiled_codec_traced(backend, kernels):
+    """method.backend=reference: the compiled graphs hold the traced codec (Inductor's own kernels), every
+    map planned without the kernel operators and the model left NCHW; otherwise the kernel operators where
+    the kernel library builds (the choice measured against each other on a GPU by compile_check)."""
+    built = __import__("division.kernels", fromlist=["available"]).available()
+    model, method = small_net(), build({"name": "division", "backend": backend})
+    method.prepare(model)
+    api.compile_model(model, method)
+    assert method.saved_tensor_route.codec.kernels is kernels
+    x = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    _step(model, method, x, torch.arange(8) % 10)
+    plans = [p for p in method.saved_tensor_route.plans.values() if p.action == "encode"]
+    assert plans and all(p.kernel is (kernels and built) for p in plans)
+    assert next(model.parameters()).is_contiguous(memory_format=torch.channels_last) is (kernels and built)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_division_on_cuda_uses_the_triton_operators_and_matches_eager():
+    """On a GPU the compiled graphs encode DIVISION's maps through the Triton operators (NCHW, no C kernel's
+    channels-last ones): 8-bit nearest codes give the eager step's loss and gradients to float tolerance
+    (compiled kernels sum in their own order) and held bytes within 5 %."""
+    spec = {"name": "division", "hfc_bits": 8, "stochastic": False}
+    x, y = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(1)).cuda(), torch.arange(8).cuda() % 10
+    runs = []
+    for compiled in (False, True):
+        model, method = small_net().cuda(), build(spec)
+        method.prepare(model)
+        if compiled:
+            api.compile_model(model, method)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        out = engine.train_step(model, method, x, y, opt, None, engine.StepState(torch.device("cuda")), account=True)
+        runs.append((model, method, out.loss.item(), out.report))
+    (eager, _, loss_e, report_e), (compiled, m_c, loss_c, report_c) = runs
+    plans = [p for p in m_c.saved_tensor_route.plans.values() if p.action == "encode"]
+    assert plans and all(p.kernel and not p.channels_last for p in plans)
+    assert api.graph_breaks() == 0
+    torch.testing.assert_close(loss_c, loss_e)
+    assert _relative(compiled, eager) < 0.01
+    assert 0.95 < report_c.held_bytes / report_e.held_bytes < 1.05, (report_c.held_bytes, report_e.held_bytes)
+
+
 @pytest.mark.parametrize("h,w,bits,pays", [(7, 7, 2, True), (3, 3, 2, True), (2, 2, 2, False), (2, 4, 2, False),
                                            (3, 3, 8, False), (56, 56, 8, True)])
 def test_traced_codec_encodes_a_map_only_where_it_takes_fewer_bytes_than_bf16(h, w, bits, pays):
@@ -412,3 +526,53 @@ def test_compiled_graph_masks_go_through_the_kernel_operators():
     assert not any(p.kernel for p in masks[1])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_compile_check_reads_method_specs_with_options_and_refuses_bad_ones(capsys):
+    """compile_check's --methods: a spec's options after its ':' stay with it (the GPU step compares
+    division with division:backend=reference); a bad name or option is an error before any model is built."""
+    import importlib
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    check = importlib.import_module("compile_check")
+    assert check.method_specs("division,division:backend=reference,actnn:bits=4,group_size=64") == [
+        "division", "division:backend=reference", "actnn:bits=4,group_size=64"]
+    with pytest.raises(ValueError, match="before any method name"):
+        check.method_specs("bits=4,division")
+    assert check.parse(["--methods", "division,division:backend=reference"]).methods
+    for bad, named in (("divison", "valid choices"), ("division:backend=cuda", "backend")):
+        with pytest.raises(SystemExit):
+            check.parse(["--methods", bad])
+        assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name,codec", [("blpa", "ReshapedQuantized"), ("mesa", "ChannelQuantized")])
+def test_compiled_methods_without_a_traced_codec_account_through_their_hooks(name, codec):
+    """BLPA and Mesa have no traced codec: compiled, their own codec runs in saved-tensor hooks after the
+    compiled forward (compress/saved_hooks.py), and the accounted step reports what those hooks keep (the
+    accounting took that route for the in-graph one and failed: 'list' object is not callable)."""
+    model, method = small_net(), build({"name": name})
+    method.prepare(model)
+    api.compile_model(model, method)
+    loss, report = _step(model, method, torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(4)),
+                         torch.arange(8) % 10)
+    assert math.isfinite(loss) and 0 < report.held_bytes < report.fp_bytes / 3
+    inside = [r for r in report.layers if r["layer"] == "(compiled graph)"]  # the rest: the loss's, eager
+    assert inside and all(r["codec"] == codec for r in inside if r["kind"] == "saved map" and r["shape"][2] > 1)
+
+
+@pytest.mark.parametrize("model_name", ["small_net", "resnet20"])
+def test_compile_model_captures_the_forward_of_torch_containers_and_of_our_models(model_name):
+    """trainer.compile=true compiles in place and Dynamo captures a graph both for a model whose forward is
+    PyTorch's own (an nn.Sequential: under torch 2.11, the GPU image's, Module.compile() ran it all eagerly
+    without a word; scripts/device/rehearse.sh runs this file on torch 2.11) and for one of ours."""
+    import torch._dynamo.utils
+    from division.models import create_model
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model, method = (small_net() if model_name == "small_net" else create_model(model_name)), build({"name": "fp"})
+    method.prepare(model)
+    api.compile_model(model, method)
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1

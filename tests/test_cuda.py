@@ -165,3 +165,22 @@ def test_cuda_compressed_batch_norm_runs_cudnn(layout):
     assert "aten::cudnn_batch_norm" in outs[0][4] and "aten::cudnn_batch_norm_backward" in outs[0][4]
     for a, b in zip(outs[0][:4], outs[1][:4]):
         torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
+
+
+def test_cuda_kernel_operators_dispatch_to_triton_and_pass_opcheck():
+    """The compiled route's custom operators on CUDA tensors run the Triton kernels (compress/ops.py): the
+    same outputs as the Triton implementations called directly, fake implementations that match them, in
+    the dtype asked for (torch.library.opcheck)."""
+    from division.compress import ops
+    x = torch.randn(4, 8, 20, 13, device="cuda", dtype=torch.float16)
+    parts = torch.ops.division.encode_maps(x, 2, 8, 8, False)
+    for a, b in zip(parts, ops._encode_maps_triton(x, 2, 8, 8, False)):
+        assert torch.equal(a, b)
+    signs = torch.ops.division.relu_signs(x)
+    eps = torch.finfo(torch.float16).eps
+    torch.library.opcheck(torch.ops.division.encode_maps.default, (x, 2, 8, 8, False))
+    torch.library.opcheck(torch.ops.division.decode_maps.default, (*parts, 2, 20, 13, 8, 8, torch.float16))
+    torch.library.opcheck(torch.ops.division.relu_signs.default, (x,))
+    torch.library.opcheck(torch.ops.division.decode_relu_maps.default,
+                          (*parts, signs, 2, 20, 13, 8, 8, eps, torch.float16))
+    assert torch.ops.division.decode_maps(*parts, 2, 20, 13, 8, 8, torch.float16).dtype == torch.float16

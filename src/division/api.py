@@ -148,8 +148,19 @@ def compile_model(model: nn.Module, method) -> nn.Module:
     # A codec traced into the graphs plans each saved map by its shape while tracing the forward; symbolic
     # (dynamic) shapes would reach the backward's trace as foreign symbols. A new batch size recompiles instead.
     static = getattr(getattr(method, "saved_tensor_route", None), "static_shapes", False)
-    model.compile(dynamic=False if static else None)
+    compile_in_place(model, dynamic=False if static else None)
     return model
+
+
+def compile_in_place(model: nn.Module, **options) -> None:
+    """``model.compile(**options)``, except for a module whose forward is PyTorch's own (an ``nn.Sequential``
+    of layers), whose forward is compiled instead: ``Module.compile`` compiles ``Module._call_impl``, and for
+    such modules Dynamo up to torch 2.11 (the GPU image's) skips every frame of the call as PyTorch's own
+    code and runs it all eagerly, without a word (PyTorch issue 150915, fixed by PR 185722)."""
+    if type(model).forward.__module__.startswith("torch."):
+        model.forward = torch.compile(model.forward, **options)
+    else:
+        model.compile(**options)
 
 
 def graph_breaks() -> int:

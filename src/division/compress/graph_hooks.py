@@ -51,7 +51,8 @@ class TracedCodec:
     lfc_dtype: torch.dtype = torch.bfloat16
     stochastic: bool = True
     min_map_elems: int = 9  # smaller maps (and those DIVISION would keep in more bytes than bf16) go to bf16
-    cpu_kernel: bool = True  # CPU maps through the fused C kernel as custom operators (compress/ops.py)
+    kernels: bool = True  # maps through the fused kernels as custom operators (compress/ops.py): the C kernel
+    # on a CPU, Triton on CUDA; False (method.backend=reference): the traced operations below, left to Inductor
     save_relu_outputs: bool = True  # the partitioner saves ReLU outputs instead of recomputing them (see below)
 
     def __post_init__(self):
@@ -190,12 +191,16 @@ def encode_with_kernel(codec: TracedCodec, x: torch.Tensor, channels_last: bool 
     return op(x, codec.bits, bh, bw, codec.stochastic)
 
 
-def decode_with_kernel(codec: TracedCodec, parts, shape, channels_last: bool = False) -> torch.Tensor:
+def decode_with_kernel(codec: TracedCodec, parts, shape, channels_last: bool = False,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`encode_with_kernel`; NCHW DIVISION maps decode straight into ``dtype`` (the Triton
+    kernel writes it: no float32 copy of a half-precision map), the others into float32."""
     if codec.kind == "groups":
         return torch.ops.division.decode_groups(*parts, codec.bits, codec.group, list(shape))
     h, w = shape[2], shape[3]
-    op = torch.ops.division.decode_maps_cl if channels_last else torch.ops.division.decode_maps
-    return op(*parts, codec.bits, h, w, *lfc_blocks(h, w, codec.block))
+    if channels_last:
+        return torch.ops.division.decode_maps_cl(*parts, codec.bits, h, w, *lfc_blocks(h, w, codec.block))
+    return torch.ops.division.decode_maps(*parts, codec.bits, h, w, *lfc_blocks(h, w, codec.block), dtype)
 
 
 RELUS = {"aten.relu.default"}
@@ -221,8 +226,8 @@ class Plan:
     dtype: torch.dtype
     action: str  # "encode" | "bits" (a boolean mask) | "bf16" | "keep"
     sign: bool = False
-    kernel: bool = False  # encoded (or a mask packed) by the C kernel's operators (their layout), not the traced ops
-    channels_last: bool = False  # by the kernel's operators for maps laid out (N, H, W, C)
+    kernel: bool = False  # encoded (or a mask packed) by the kernel operators (their layout), not the traced ops
+    channels_last: bool = False  # by the C kernel's operators for maps laid out (N, H, W, C)
     groups: bool = False  # ActNN's groups (the kernel's group operators: no ReLU-sign variant)
     fp_bytes: int = 0
     held_bytes: int = 0
@@ -288,6 +293,7 @@ class GraphCodecHooks:
     hooks would recompile it."""
 
     static_shapes = True  # plans hold concrete shapes: the model is compiled with dynamic=False
+    in_graph = True  # held bytes are read from the compiled functions' saved tensors (records())
 
     def __init__(self, codec: TracedCodec, keep_layouts: bool = False):
         self.codec = codec
@@ -323,7 +329,7 @@ class GraphCodecHooks:
             return self.eager_saved(x) if self.eager_saved is not None else x
         plan = self._current = self._plan(x)
         if plan.action == "bits":
-            plan.kernel = self.codec.cpu_kernel and ops.masks_available(x)
+            plan.kernel = self.codec.kernels and ops.masks_available(x)
             plan.channels_last = plan.kernel and ops.is_channels_last(x)
             parts = (torch.ops.division.pack_mask(x),) if plan.kernel else (pack_bools(x),)
         elif plan.action == "bf16":
@@ -334,10 +340,11 @@ class GraphCodecHooks:
         elif plan.action == "encode":
             plan.groups = self.codec.kind == "groups"
             if plan.groups:
-                plan.kernel = self.codec.cpu_kernel and ops.groups_available(x)
+                plan.kernel = self.codec.kernels and ops.groups_available(x)
             else:
-                plan.kernel = self.codec.cpu_kernel and ops.available(x, self.codec)
-            plan.channels_last = plan.kernel and not plan.groups and ops.nhwc_supported(x)
+                plan.kernel = self.codec.kernels and ops.available(x, self.codec)
+            plan.channels_last = (plan.kernel and not plan.groups and x.device.type == "cpu"
+                                  and ops.nhwc_supported(x))
             parts = encode_with_kernel(self.codec, x, plan.channels_last) if plan.kernel else encode(self.codec, x)
             if plan.sign:
                 signs = torch.ops.division.relu_signs_cl if plan.channels_last else torch.ops.division.relu_signs
@@ -360,12 +367,14 @@ class GraphCodecHooks:
             return packed[0].to(plan.dtype)
         if plan.kernel_signs:
             h, w = plan.shape[2], plan.shape[3]
-            op = torch.ops.division.decode_relu_maps_cl if plan.channels_last else torch.ops.division.decode_relu_maps
-            return op(*packed, self.codec.bits, h, w, *lfc_blocks(h, w, self.codec.block),
-                      float(torch.finfo(plan.dtype).eps)).to(plan.dtype)
+            args = (*packed, self.codec.bits, h, w, *lfc_blocks(h, w, self.codec.block),
+                    float(torch.finfo(plan.dtype).eps))
+            if plan.channels_last:
+                return torch.ops.division.decode_relu_maps_cl(*args).to(plan.dtype)
+            return torch.ops.division.decode_relu_maps(*args, plan.dtype)
         parts = packed[:-1] if plan.sign else packed
         if plan.kernel:
-            x = decode_with_kernel(self.codec, parts, plan.shape, plan.channels_last)
+            x = decode_with_kernel(self.codec, parts, plan.shape, plan.channels_last, plan.dtype)
         else:
             x = decode(self.codec, parts, plan.shape)
         if plan.sign:

@@ -4,15 +4,16 @@ dither and packing (compress/graph_hooks.py chooses it for CPU maps where the ke
 
 ``division::encode_maps(x, bits, bh, bw, stochastic)`` -> (LFC bf16 (N, C, ceil(H/bh), ceil(W/bw)), packed
 HFC codes uint8 (ceil(N*C*H*W*bits/8),), per-map minimum and scale float32 (N*C,)); ``division::decode_maps``
-rebuilds float32 (N, C, H, W); ``division::relu_signs`` and ``division::decode_relu_maps`` add a ReLU
-output's exact mask (one bit per element, made and applied by the kernel library). The fake implementations give the compiler these shapes without running
-anything. Stochastic rounding draws its seed from torch's CPU generator when the operator runs (each step
+rebuilds (N, C, H, W) in float32 or the ``dtype`` given; ``division::relu_signs`` and
+``division::decode_relu_maps`` add a ReLU output's exact mask (one bit per element, made and applied by the
+kernel library). On CUDA the same four operators run the Triton kernels (the section at the end). The fake
+implementations give the compiler these shapes without running anything. Stochastic rounding draws its seed from torch's CPU generator when the operator runs (each step
 afresh; rank-mixed under DDP, as the eager codec). A map holding NaN or Inf is encoded with those elements
 as zero and gets a NaN minimum, so it decodes to NaN throughout: the backward's gradients show it instead
 of a finite value that was never there.
 """
 import math
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -39,17 +40,21 @@ def _signs_fake(x):
 
 @torch.library.custom_op("division::decode_relu_maps", mutates_args=(), device_types="cpu")
 def decode_relu_maps(lfc: Tensor, packed: Tensor, minimum: Tensor, scale: Tensor, signs: Tensor, bits: int,
-                     h: int, w: int, bh: int, bw: int, floor: float) -> Tensor:
+                     h: int, w: int, bh: int, bw: int, floor: float, dtype: Optional[torch.dtype] = None) -> Tensor:
     """:func:`decode_maps` for a ReLU's output: > 0 (at least ``floor``) where its sign bit is set, exactly 0
     elsewhere, so that the mask the backward recomputes from it is the forward's."""
     from division.codecs.exact import BitMask
     x = decode_maps(lfc, packed, minimum, scale, bits, h, w, bh, bw).clamp_min_(floor)
-    return BitMask(signs, x.shape, "compiled").apply(x, inplace=True)
+    return BitMask(signs, x.shape, "compiled").apply(x, inplace=True).to(dtype or torch.float32)
+
+
+def _decoded_fake(lfc, h, w, dtype):
+    return lfc.new_empty((lfc.shape[0], lfc.shape[1], h, w), dtype=dtype or torch.float32)
 
 
 @decode_relu_maps.register_fake
-def _(lfc, packed, minimum, scale, signs, bits, h, w, bh, bw, floor):
-    return lfc.new_empty((lfc.shape[0], lfc.shape[1], h, w), dtype=torch.float32)
+def _(lfc, packed, minimum, scale, signs, bits, h, w, bh, bw, floor, dtype=None):
+    return _decoded_fake(lfc, h, w, dtype)
 
 
 @torch.library.custom_op("division::encode_maps", mutates_args=(), device_types="cpu")
@@ -80,24 +85,27 @@ def _encode_fake(x, bits, bh, bw, stochastic):
 
 @torch.library.custom_op("division::decode_maps", mutates_args=(), device_types="cpu")
 def decode_maps(lfc: Tensor, packed: Tensor, minimum: Tensor, scale: Tensor, bits: int, h: int, w: int,
-                bh: int, bw: int) -> Tensor:
+                bh: int, bw: int, dtype: Optional[torch.dtype] = None) -> Tensor:
     from division.codecs.quant import QuantizedTensor, decode_rows_compiled
     n, c = lfc.shape[:2]
     q = QuantizedTensor(packed, minimum, scale, bits, n * c, h * w, torch.float32, backend="compiled")
-    return decode_rows_compiled(q, lfc, (h, w), (bh, bw)).view(n, c, h, w)
+    return decode_rows_compiled(q, lfc, (h, w), (bh, bw)).view(n, c, h, w).to(dtype or torch.float32)
 
 
 @decode_maps.register_fake
-def _(lfc, packed, minimum, scale, bits, h, w, bh, bw):
-    return lfc.new_empty((lfc.shape[0], lfc.shape[1], h, w), dtype=torch.float32)
+def _(lfc, packed, minimum, scale, bits, h, w, bh, bw, dtype=None):
+    return _decoded_fake(lfc, h, w, dtype)
 
 
 def available(x: Tensor, codec) -> bool:
-    """Whether the kernel operators can keep ``x`` under ``codec`` (CPU, DIVISION with a bf16 LFC, fp32 or
-    bf16 maps, the kernel library built)."""
-    if x.device.type != "cpu" or codec.kind != "division" or codec.lfc_dtype != torch.bfloat16:
+    """Whether the kernel operators can keep ``x`` under ``codec``: DIVISION with a bf16 LFC, and on a CPU
+    fp32 or bf16 maps with the kernel library built, on CUDA fp32, fp16 or bf16 maps with Triton installed."""
+    if codec.kind != "division" or codec.lfc_dtype != torch.bfloat16:
         return False
-    if x.dtype not in (torch.float32, torch.bfloat16):
+    if x.device.type == "cuda":
+        from division.kernels import triton_codecs
+        return x.dtype in (torch.float32, torch.float16, torch.bfloat16) and triton_codecs.available(x.device)
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return False
     from division import kernels
     return kernels.library() is not None
@@ -301,3 +309,47 @@ def decode_groups(packed: Tensor, minimum: Tensor, scale: Tensor, bits: int, gro
 @decode_groups.register_fake
 def _(packed, minimum, scale, bits, group, shape):
     return minimum.new_empty(shape, dtype=torch.float32)
+
+
+# --- CUDA: the operators above through the Triton kernels (division/kernels/triton_codecs.py) ---------------
+# The same outputs as the C kernel's (LFC bf16 (N, C, hb, wb), codes, minimum and scale float32 per map; a map
+# that held NaN or Inf gets a NaN minimum and decodes to NaN), computed as the eager Triton codec computes
+# them: the LFC by PyTorch's average pool in the map's dtype, the HFC's statistics and codes by one Triton
+# launch (no host synchronisation). Maps are read in NCHW order: a channels-last map is copied first.
+# method.backend=reference leaves the traced operations to Inductor instead, which may fuse the encode with
+# the kernel that made the map; which is faster is measured on the device (scripts/compile_check.py).
+
+def _encode_maps_triton(x: Tensor, bits: int, bh: int, bw: int, stochastic: bool):
+    from division.codecs.division import block_average
+    from division.kernels import triton_codecs
+    n, c, h, w = x.shape
+    lfc = block_average(x, (bh, bw)).to(torch.bfloat16).contiguous()
+    packed, minimum, scale, bad = triton_codecs.encode_rows(x, n * c, h * w, bits, stochastic, lfc, (h, w),
+                                                            (bh, bw))
+    return lfc, packed, minimum.masked_fill(bad.bool(), float("nan")), scale
+
+
+def _decode_maps_triton(lfc, packed, minimum, scale, bits, h, w, bh, bw, dtype=None) -> Tensor:
+    from division.kernels import triton_codecs
+    n, c = lfc.shape[:2]
+    bad = torch.isnan(minimum).to(torch.int8)
+    out = triton_codecs.decode_rows(packed, minimum, scale, bad, n * c, h * w, bits, lfc, (h, w), (bh, bw),
+                                    dtype=dtype or torch.float32)
+    return out.view(n, c, h, w)
+
+
+def _relu_signs_triton(x: Tensor) -> Tensor:
+    from division.kernels import triton_codecs
+    return triton_codecs.mask_positive(x)
+
+
+def _decode_relu_maps_triton(lfc, packed, minimum, scale, signs, bits, h, w, bh, bw, floor, dtype=None) -> Tensor:
+    from division.kernels import triton_codecs
+    x = _decode_maps_triton(lfc, packed, minimum, scale, bits, h, w, bh, bw, dtype).clamp_min_(floor)
+    return triton_codecs.mask_apply(x, signs)
+
+
+encode_maps.register_kernel("cuda", _encode_maps_triton)
+decode_maps.register_kernel("cuda", _decode_maps_triton)
+relu_signs.register_kernel("cuda", _relu_signs_triton)
+decode_relu_maps.register_kernel("cuda", _decode_relu_maps_triton)

@@ -95,7 +95,7 @@ class Method:
         already inside the model's call)."""
         acc = _Accounting()
         route = self.saved_tensor_route
-        in_graph = hasattr(route, "records")  # the codec inside the compiled graphs (compress.graph_hooks)
+        in_graph = getattr(route, "in_graph", False)  # the codec inside the compiled graphs (compress.graph_hooks)
         exclude = parameter_storages(model)
         recorder = acc.recorder = SavedTensorRecorder(route.ids if route is not None and not in_graph else self.ids(),
                                                       exclude=exclude)

@@ -67,7 +67,7 @@ class PolicyMethod(Method, metaclass=ABCMeta):
         codec = self.traced_codec()
         if codec is not None and graph_hooks.inlining_supported():
             on_cpu = all(p.device.type == "cpu" for p in model.parameters())
-            if on_cpu and codec.kind == "division" and codec.cpu_kernel and kernels.available():
+            if on_cpu and codec.kind == "division" and codec.kernels and kernels.available():
                 # channels-last, as Inductor lays out a CPU graph's convolutions: the traced graph then saves
                 # maps in that order, which the kernel's channels-last operators keep without copies (ActNN's
                 # groups run along NCHW order: its traced codec would copy every map, so its model stays NCHW)
@@ -262,7 +262,8 @@ class Division(PolicyMethod):
         if not isinstance(self.codec, DivisionCodec):
             return None  # the per-channel ablation: the runtime hooks
         c = self.codec
-        return TracedCodec("division", c.hfc_bits, block=c.block_size, lfc_dtype=c.lfc_dtype, stochastic=c.stochastic)
+        return TracedCodec("division", c.hfc_bits, block=c.block_size, lfc_dtype=c.lfc_dtype, stochastic=c.stochastic,
+                           kernels=self.backend != "reference")
 
     def _map_codec(self, height: int, width: int):
         return self.one_block_codec if height <= self.block_size and width <= self.block_size else self.codec
@@ -306,7 +307,8 @@ class ActNN(PolicyMethod):
 
     def traced_codec(self):
         from division.compress.graph_hooks import TracedCodec
-        return TracedCodec("groups", self.codec.bits, group=self.codec.group_size, stochastic=self.codec.stochastic)
+        return TracedCodec("groups", self.codec.bits, group=self.codec.group_size, stochastic=self.codec.stochastic,
+                           kernels=self.backend != "reference")
 
 
 class Blpa(PolicyMethod):
