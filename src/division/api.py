@@ -153,14 +153,14 @@ def compile_model(model: nn.Module, method) -> nn.Module:
 
 
 def compile_in_place(model: nn.Module, **options) -> None:
-    """``model.compile(**options)``, except for a module whose forward is PyTorch's own (an ``nn.Sequential``
-    of layers), whose forward is compiled instead: ``Module.compile`` compiles ``Module._call_impl``, and for
-    such modules Dynamo up to torch 2.11 (the GPU image's) skips every frame of the call as PyTorch's own
-    code and runs it all eagerly, without a word (PyTorch issue 150915, fixed by PR 185722)."""
-    if type(model).forward.__module__.startswith("torch."):
-        model.forward = torch.compile(model.forward, **options)
-    else:
-        model.compile(**options)
+    """What ``model.compile(**options)`` does (``model._compiled_call_impl``: the module's own call, hooks
+    included, compiled), through a frame of ours: ``Module.compile`` compiles ``Module._call_impl`` itself, and
+    where the forward is PyTorch's own too (an ``nn.Sequential`` of layers) Dynamo up to torch 2.11 (the GPU
+    image's) skipped every frame of the call as PyTorch's code and ran it all eagerly, without a word (PyTorch
+    issue 150915, fixed by PR 185722). From our frame Dynamo traces into the module's call as into any other."""
+    def call(*args, **kwargs):
+        return model._call_impl(*args, **kwargs)
+    model._compiled_call_impl = torch.compile(call, **options)
 
 
 def graph_breaks() -> int:

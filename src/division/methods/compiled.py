@@ -27,11 +27,12 @@ class CompileBudget(Method):
         self.budget, self.mode = float(budget), mode
 
     def prepare(self, model: nn.Module) -> nn.Module:
-        """``model.compile()`` in place (parameters, buffers and state_dict keys unchanged); bypassed (the
+        """Compiled in place as ``model.compile()`` does (parameters, buffers and state_dict keys unchanged); bypassed (the
         full-precision reference), the eager forward runs. Dynamo's caches are reset first: its guards do not
         cover the budget, so a graph compiled under another budget would otherwise be reused."""
+        from division.api import compile_in_place
         torch._dynamo.reset()
-        model.compile(mode=self.mode)
+        compile_in_place(model, mode=self.mode)  # model.compile(), also for an nn.Sequential under torch 2.11
         compiled, method = model._compiled_call_impl, self
 
         def call(*args, **kwargs):
