@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from division import api, bench, engine, results  # noqa: E402
+from division.bench import spec_list as method_specs  # noqa: E402
 from division.methods import build, load_config  # noqa: E402
 from division.models import create_model  # noqa: E402
 
@@ -49,20 +50,6 @@ def parse(argv=None):
         except ValueError as err:
             p.error(f"--methods: {err}")
     return args
-
-
-def method_specs(text: str):
-    """``--methods`` as method specs (methods.load_config's ``name:key=value,key=value``): a comma-separated
-    item with ``=`` and no ``:`` is one more option of the spec before it."""
-    specs = []
-    for item in filter(None, text.split(",")):
-        if "=" in item and ":" not in item:
-            if not specs:
-                raise ValueError(f"--methods {text!r}: option {item!r} comes before any method name")
-            specs[-1] += f",{item}"
-        else:
-            specs.append(item)
-    return specs
 
 
 def _kernel_maps(method) -> int:

@@ -243,11 +243,27 @@ def parse(argv=None):
     return args
 
 
+def spec_list(text: str):
+    """A command line's list of model or method specs (``name:key=value,key=value``): separated by ";", or by
+    "," where a comma-separated item with ``=`` and no ``:`` is one more option of the spec before it."""
+    if ";" in text:
+        return [item for item in text.split(";") if item]
+    specs = []
+    for item in filter(None, text.split(",")):
+        if "=" in item and ":" not in item:
+            if not specs:
+                raise ValueError(f"{text!r}: option {item!r} comes before any method name (or model name)")
+            specs[-1] += f",{item}"
+        else:
+            specs.append(item)
+    return specs
+
+
 def main(argv=None):
     args = parse(argv)
-    models = args.models.split(";" if ":" in args.models else ",")
+    models = spec_list(args.models)
     batches = [int(b) for b in args.batches.split(",")]
-    method_specs = [m for m in args.methods.split(";" if ":" in args.methods else ",")]
+    method_specs = spec_list(args.methods)
     if args.single:
         path = Path(args.out)
         try:

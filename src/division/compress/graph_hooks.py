@@ -17,7 +17,9 @@ maps in bf16, as the eager codec keeps them). ReLU outputs are saved rather than
 backward compares with zero (a ReLU's ``le(out, 0)`` mask) also keeps one exact bit per element saying
 whether it is > 0, without which a decoded zero that came back positive would let gradient through. Boolean
 4-D masks the graph saves are packed eight to a byte (on a CPU by the kernel library's operators). Everything
-else is held as the graph holds it.
+else is held as the graph holds it. Where the kernel operators take a map (compress/ops.py: the C kernel on a
+CPU, the Triton codec on CUDA) it goes through them instead of the traced operations, unless the method's
+backend is ``reference``.
 
 Held bytes are what the compiled function really saves (its autograd node's saved tensors after the
 forward, de-duplicated by storage); the per-map breakdown comes from the trace.

@@ -7,8 +7,9 @@ HFC codes uint8 (ceil(N*C*H*W*bits/8),), per-map minimum and scale float32 (N*C,
 rebuilds (N, C, H, W) in float32 or the ``dtype`` given; ``division::relu_signs`` and
 ``division::decode_relu_maps`` add a ReLU output's exact mask (one bit per element, made and applied by the
 kernel library). On CUDA the same four operators run the Triton kernels (the section at the end). The fake
-implementations give the compiler these shapes without running anything. Stochastic rounding draws its seed from torch's CPU generator when the operator runs (each step
-afresh; rank-mixed under DDP, as the eager codec). A map holding NaN or Inf is encoded with those elements
+implementations give the compiler these shapes without running anything. Stochastic rounding draws its seed
+from torch's CPU generator when the operator runs (each step afresh; rank-mixed under DDP, as the eager
+codec). A map holding NaN or Inf is encoded with those elements
 as zero and gets a NaN minimum, so it decodes to NaN throughout: the backward's gradients show it instead
 of a finite value that was never there.
 """
