@@ -8,6 +8,8 @@
     print(handle.memory_report().table(top=10))
     handle.remove()                            # or: with division.prepare(model) as handle: ...
 
+``handle.compile()`` compiles the model for the method (as ``trainer.compile=true`` does) and keeps this working.
+
 The runner (``division.train``) goes through the same call.
 """
 import contextlib
@@ -32,19 +34,49 @@ class Handle:
         self._busy = False
         self._context = None
         self._hooks = []
+        self._inner_call = None  # a compiled model's own compiled call, inside the handle's (see compile())
+        if getattr(model, "_compiled_call_impl", None) is not None:  # a method that compiles itself
+            self._wrap_compiled_call()
 
     def measure_next(self, fp_reference: bool = True) -> "Handle":
         """Account the next training forward of the model (and measure its full-precision equivalent)."""
-        if not self._hooks:
+        if not self._hooks and self._inner_call is None:
             self._hooks = [self.model.register_forward_pre_hook(self._begin, with_kwargs=True),
                            self.model.register_forward_hook(self._end)]
         self._armed, self._fp_reference = True, fp_reference
         return self
 
+    def compile(self, **options) -> nn.Module:
+        """Compile the model in place for this method, as ``trainer.compile=true`` does (fp and compile_budget
+        as they are, a compressing method through its compile route), and keep the handle working: the
+        method's saved-tensor hooks around each call, the accounting outside the compiled code. ``model.compile()``
+        called directly would compile the handle's hooks into the graph and call none of the method's hooks.
+        ``options``: ``torch.compile``'s (``mode``, ``dynamic``, ...). Returns the model."""
+        compile_model(self.model, self.method, **options)
+        self._wrap_compiled_call()
+        return self.model
+
+    def _wrap_compiled_call(self):
+        """The compiled call runs inside the handle's: accounting (the full-precision reference included)
+        before and after it, in eager code, and the method's forward context around it."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        inner = self._inner_call = self.model._compiled_call_impl
+
+        def call(*args, **kwargs):
+            self._begin(self.model, args, kwargs)
+            with self.method.forward_context():
+                out = inner(*args, **kwargs)
+            self._end(self.model, args, out)
+            return out
+        self.model._compiled_call_impl = call
+
     def _begin(self, module, args, kwargs):
+        if torch.compiler.is_compiling():  # the model was compiled after prepare(): see compile()
+            return None
         if not (self._armed and not self._busy and module.training and self.method.enabled):
             return None
-        import torch
         if not torch.is_grad_enabled():
             return None
         self._busy = True
@@ -58,7 +90,7 @@ class Handle:
         return None
 
     def _end(self, module, args, output):
-        if self._context is None or self._busy:
+        if self._context is None or self._busy or torch.compiler.is_compiling():
             return None
         if isinstance(output, torch.Tensor):
             self._accounting.output = output
@@ -86,6 +118,8 @@ class Handle:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._inner_call is not None:  # the model stays compiled, without the handle's call around it
+            self.model._compiled_call_impl, self._inner_call = self._inner_call, None
         self.method.remove(self.model)
         return self.model
 
@@ -129,7 +163,7 @@ def prepare_config(model: nn.Module, cfg, measure: bool = False) -> Handle:
 __all__ = ["prepare", "prepare_config", "Handle"]
 
 
-def compile_model(model: nn.Module, method) -> nn.Module:
+def compile_model(model: nn.Module, method, **options) -> nn.Module:
     """``trainer.compile=true``: ``model.compile()`` in place where the method allows it; otherwise a clear,
     early error naming the method. Compressing methods take their compile route (the model's own layers,
     the compiled graph's saved maps encoded through saved-tensor hooks: compress/saved_hooks.py).
@@ -148,7 +182,9 @@ def compile_model(model: nn.Module, method) -> nn.Module:
     # A codec traced into the graphs plans each saved map by its shape while tracing the forward; symbolic
     # (dynamic) shapes would reach the backward's trace as foreign symbols. A new batch size recompiles instead.
     static = getattr(getattr(method, "saved_tensor_route", None), "static_shapes", False)
-    compile_in_place(model, dynamic=False if static else None)
+    if static:
+        options["dynamic"] = False
+    compile_in_place(model, **options)
     return model
 
 

@@ -126,10 +126,26 @@ def parameter_storages(model: Optional[nn.Module]) -> frozenset:
 def model_inputs(model: Optional[nn.Module], given=None):
     """Yields the set that the next forward of ``model`` fills with the storage keys of its tensor arguments
     (the caller's batch, held through backward by the caller anyway). ``given``: those arguments themselves,
-    for a caller already inside the model's call (a forward pre-hook), where a hook added now would not run."""
+    for a caller already inside the model's call (a forward pre-hook), where a hook added now would not run.
+
+    A compiled model (``model.compile()``, :func:`division.api.compile_in_place`) compiles its forward hooks
+    with its call, so a hook noting storages would be traced: under torch 2.11 Dynamo cannot trace
+    ``untyped_storage().data_ptr()`` nor resume after it inside ``Module._call_impl``, and it then ran the whole
+    model eagerly. For such a model the arguments are noted in a wrapper around the compiled call instead."""
     keys = tensor_storages(given or ())
     if given is not None or model is None:
         yield keys
+        return
+    compiled = getattr(model, "_compiled_call_impl", None)
+    if compiled is not None:
+        def noted_call(*args, **kwargs):
+            keys.update(tensor_storages((*args, *kwargs.values())))
+            return compiled(*args, **kwargs)
+        model._compiled_call_impl = noted_call
+        try:
+            yield keys
+        finally:
+            model._compiled_call_impl = compiled
         return
 
     def note(module, args, kwargs):
