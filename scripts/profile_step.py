@@ -2,6 +2,7 @@
 the top operators by device time written as text, with provenance in a JSON beside it.
 
     python scripts/profile_step.py --model resnet50 --method division --batch 256 --amp fp16 --device cuda
+    python scripts/profile_step.py --model resnet50 --method division --batch 8 --amp none --device cpu --compile
 """
 import argparse
 from pathlib import Path
@@ -23,6 +24,7 @@ def parse(argv=None):
     p.add_argument("--device", default="cuda")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rows", type=int, default=30)
+    p.add_argument("--compile", action="store_true", help="the model compiled as trainer.compile=true does")
     p.add_argument("--out", default=None, help="default: results/profile/<device>_<model>_<method>_b<batch>")
     return p.parse_args(argv)
 
@@ -34,6 +36,9 @@ def main(argv=None):
     model = create_model(args.model, num_classes=1000, image_size=args.image_size).to(device)
     method = build(load_config(args.method))
     method.prepare(model)
+    if args.compile:
+        from division import api
+        api.compile_model(model, method)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
     state = engine.StepState(device, amp=args.amp, scaler=scaler, progress=False)
@@ -50,7 +55,8 @@ def main(argv=None):
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=args.rows)
     tag = results.device_tag(device)
-    base = Path(args.out or results.ROOT / "results" / "profile" / f"{tag}_{args.model}_{args.method}_b{args.batch}")
+    name = f"{tag}_{args.model}_{args.method}_b{args.batch}" + ("_compiled" if args.compile else "")
+    base = Path(args.out or results.ROOT / "results" / "profile" / name)
     base.parent.mkdir(parents=True, exist_ok=True)
     text = base.with_suffix(".txt")
     tmp = text.with_suffix(".txt.tmp")
@@ -58,7 +64,8 @@ def main(argv=None):
     tmp.replace(text)
     results.write_json(base.with_suffix(".json"), {
         "status": "ok", "model": args.model, "method": args.method, "batch_size": args.batch, "amp": args.amp,
-        "image_size": args.image_size, "step_seconds": seconds, "table": results.relative_to_root(text),
+        "image_size": args.image_size, "compiled": args.compile, "step_seconds": seconds,
+        "table": results.relative_to_root(text),
         **results.provenance(device)})
     print(table)
     print(f"steps {', '.join(f'{s * 1e3:.1f} ms' for s in seconds)}; wrote {results.relative_to_root(text)}")

@@ -632,7 +632,20 @@ def test_a_handle_compiles_its_model_and_keeps_compressing_and_accounting(spec, 
     else:
         assert report.held_bytes < report.fp_bytes / 8, (report.held_bytes, report.fp_bytes)
     inner = handle._inner_call
+    handle.compile()  # again: one accounting per forward still (twice, the second would record nothing)
+    handle.measure_next()
+    F.cross_entropy(model(x), y).backward()
+    again = handle.memory_report()
+    assert again is not report and again.held_bytes == report.held_bytes
+    report, inner = again, handle._inner_call
     handle.remove()  # the model keeps the compiled call it had (compile_budget's own removal drops it)
     assert model._compiled_call_impl is (None if spec == "compile_budget" else inner)
     F.cross_entropy(model(x), y).backward()
     assert handle.memory_report() is report
+
+
+def test_a_handle_refuses_dynamic_shapes_where_the_codec_plans_by_shape():
+    import division
+    handle = division.prepare(small_net(), "division")
+    with pytest.raises(ValueError, match=r"dynamic=True does not work with method 'division'.*valid: dynamic=False"):
+        handle.compile(dynamic=True)

@@ -62,6 +62,8 @@ class Handle:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self.model._compiled_call_impl is getattr(self, "_call", None):
+            return  # compile() again where the method compiled itself: the handle's call is already there
         inner = self._inner_call = self.model._compiled_call_impl
 
         def call(*args, **kwargs):
@@ -70,7 +72,7 @@ class Handle:
                 out = inner(*args, **kwargs)
             self._end(self.model, args, out)
             return out
-        self.model._compiled_call_impl = call
+        self.model._compiled_call_impl = self._call = call
 
     def _begin(self, module, args, kwargs):
         if torch.compiler.is_compiling():  # the model was compiled after prepare(): see compile()
@@ -183,6 +185,10 @@ def compile_model(model: nn.Module, method, **options) -> nn.Module:
     # (dynamic) shapes would reach the backward's trace as foreign symbols. A new batch size recompiles instead.
     static = getattr(getattr(method, "saved_tensor_route", None), "static_shapes", False)
     if static:
+        if options.get("dynamic"):
+            raise ValueError(f"dynamic={options['dynamic']!r} does not work with method {method.name!r}: its codec "
+                             "is planned per map shape while the forward is traced; valid: dynamic=False or None "
+                             "(a new batch size then recompiles)")
         options["dynamic"] = False
     compile_in_place(model, **options)
     return model
