@@ -35,6 +35,7 @@ class Handle:
         self._context = None
         self._hooks = []
         self._inner_call = None  # a compiled model's own compiled call, inside the handle's (see compile())
+        self._call = None        # the handle's call around it
         if getattr(model, "_compiled_call_impl", None) is not None:  # a method that compiles itself
             self._wrap_compiled_call()
 
@@ -62,7 +63,7 @@ class Handle:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        if self.model._compiled_call_impl is getattr(self, "_call", None):
+        if self._call is not None and self.model._compiled_call_impl is self._call:
             return  # compile() again where the method compiled itself: the handle's call is already there
         inner = self._inner_call = self.model._compiled_call_impl
 
@@ -121,7 +122,7 @@ class Handle:
             h.remove()
         self._hooks = []
         if self._inner_call is not None:  # the model stays compiled, without the handle's call around it
-            self.model._compiled_call_impl, self._inner_call = self._inner_call, None
+            self.model._compiled_call_impl, self._inner_call, self._call = self._inner_call, None, None
         self.method.remove(self.model)
         return self.model
 
