@@ -13,7 +13,8 @@ call is planned for), every result labelled with the device's name:
      scripts/device/prepare.sh);
   8. compile (only with --only compile): torch.compile'd DIVISION / compiled fp against the eager ratio,
      ResNet-50 at batch 256, fp16, the codec through the Triton operators and traced for Inductor
-     (method.backend=reference) (results/compile/<device>_resnet50_b256_fp16.json).
+     (method.backend=reference) (results/compile/<device>_resnet50_b256_fp16.json);
+  9. compile profile (with 8: --only "compile,compile profile"): where one compiled DIVISION step's time goes.
 
 Each step has its own time limit, cut to what is left of the budget; a step that fails or runs out of time
 leaves what it finished (each benchmark configuration is its own file) and the next step runs.
@@ -62,10 +63,12 @@ def steps(tag: str, force: bool = False):
         ("compile", [py, "scripts/compile_check.py", "--model", "resnet50", "--batch", "256", "--image-size", "224",
                      "--methods", "division,division:backend=reference", "--amp", "fp16", "--device", "cuda",
                      "--rounds", "10"], 420),
+        ("compile profile", [py, "scripts/profile_step.py", "--model", "resnet50", "--method", "division", "--batch",
+                             "256", "--amp", "fp16", "--device", "cuda", "--compile"], 100),
     ]
 
 
-DEFAULT_STEPS = ("tests", "paper", "paired", "codec", "max batch", "profile")  # seeds, compile: calls of their own
+DEFAULT_STEPS = ("tests", "paper", "paired", "codec", "max batch", "profile")  # seeds, compile(+ profile): calls of their own
 SEEDS, SEED_METHODS, SEED_SHARDS = 20, "fp,division", 4
 
 

@@ -200,9 +200,14 @@ def compile_in_place(model: nn.Module, **options) -> None:
     included, compiled), through a frame of ours: ``Module.compile`` compiles ``Module._call_impl`` itself, and
     where the forward is PyTorch's own too (an ``nn.Sequential`` of layers) Dynamo up to torch 2.11 (the GPU
     image's) skipped every frame of the call as PyTorch's code and ran it all eagerly, without a word (PyTorch
-    issue 150915, fixed by PR 185722). From our frame Dynamo traces into the module's call as into any other."""
+    issue 150915, fixed by PR 185722). From our frame Dynamo traces into the module's call as into any other.
+
+    The frame's code object is the model's own: Dynamo keeps compiled graphs on the code object, at most
+    ``recompile_limit`` (8) of them, so with one code shared by every model compiled in a process the ninth
+    model of another architecture ran eagerly, with only a logged warning (torch 2.11 and 2.14 alike)."""
     def call(*args, **kwargs):
         return model._call_impl(*args, **kwargs)
+    call.__code__ = call.__code__.replace()  # a copy: its own cache of compiled graphs
     model._compiled_call_impl = torch.compile(call, **options)
 
 
