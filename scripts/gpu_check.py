@@ -68,7 +68,7 @@ def steps(tag: str, force: bool = False):
     ]
 
 
-DEFAULT_STEPS = ("tests", "paper", "paired", "codec", "max batch", "profile")  # seeds, compile(+ profile): calls of their own
+DEFAULT_STEPS = ("tests", "paper", "paired", "codec", "max batch", "profile")  # seeds, compile: calls of their own
 SEEDS, SEED_METHODS, SEED_SHARDS = 20, "fp,division", 4
 
 
