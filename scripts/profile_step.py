@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from division import engine, results
+from division import api, engine, results
 from division.methods import build, load_config
 from division.models import create_model
 
@@ -37,7 +37,6 @@ def main(argv=None):
     method = build(load_config(args.method))
     method.prepare(model)
     if args.compile:
-        from division import api
         api.compile_model(model, method)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None

@@ -631,7 +631,6 @@ def test_a_handle_compiles_its_model_and_keeps_compressing_and_accounting(spec, 
         assert report.held_bytes == report.fp_bytes
     else:
         assert report.held_bytes < report.fp_bytes / 8, (report.held_bytes, report.fp_bytes)
-    inner = handle._inner_call
     handle.compile()  # again: one accounting per forward still (twice, the second would record nothing)
     handle.measure_next()
     F.cross_entropy(model(x), y).backward()

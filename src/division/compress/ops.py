@@ -9,9 +9,8 @@ rebuilds (N, C, H, W) in float32 or the ``dtype`` given; ``division::relu_signs`
 kernel library). On CUDA the same four operators run the Triton kernels (the section at the end). The fake
 implementations give the compiler these shapes without running anything. Stochastic rounding draws its seed
 from torch's CPU generator when the operator runs (each step afresh; rank-mixed under DDP, as the eager
-codec). A map holding NaN or Inf is encoded with those elements
-as zero and gets a NaN minimum, so it decodes to NaN throughout: the backward's gradients show it instead
-of a finite value that was never there.
+codec). A map holding NaN or Inf is encoded with those elements as zero and gets a NaN minimum, so it
+decodes to NaN throughout: the backward's gradients show it instead of a finite value that was never there.
 """
 import math
 from typing import List, Optional, Tuple
