@@ -222,6 +222,22 @@ def test_channels_last_operators_encode_as_the_nchw_ones(shape, block, bits):
     torch.library.opcheck(ops.decode_maps_cl.default, (*cl, bits, h, w, block, block))
 
 
+@pytest.mark.parametrize("shape,block", [((2, 64, 20, 20), 8), ((3, 16, 13, 9), 8), ((2, 8, 31, 31), 16)])
+def test_channels_last_hfc_range_is_exactly_that_of_x_minus_its_lfc(shape, block):
+    """The kernel takes the HFC's range from each block's minimum and maximum of x (one pass): since rounding
+    is monotonic, min(x - l) == min(x) - l for the block's one LFC value l. On random floats (no exact
+    sums), the stored minimum and scale must still be exactly those of x - upsample(LFC) computed in torch."""
+    _kernels_or_skip()
+    from division.codecs.division import upsample_blocks
+    n, c, h, w = shape
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(7)) * 3 + 1).contiguous(
+        memory_format=torch.channels_last)
+    lfc, _, minimum, scale = torch.ops.division.encode_maps_cl(x, 2, block, block, False)
+    hfc = (x - upsample_blocks(lfc.float(), (block, block), h, w)).reshape(n * c, -1)
+    lo, hi = hfc.amin(1), hfc.amax(1)
+    assert torch.equal(minimum, lo) and torch.equal(scale, (hi - lo) / 3)
+
+
 def test_channels_last_stochastic_rounding_is_unbiased():
     """2-bit codes, 400 encodes: the mean rebuilt map is within 6 standard errors of the map (each draw errs by
     at most one step, so its standard deviation is at most half a step; the mean's, that over 20)."""

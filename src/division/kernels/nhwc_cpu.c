@@ -26,13 +26,14 @@ int division_encode_nhwc(const float *x, int64_t n, int64_t h, int64_t w, int64_
     {
         float *lf = malloc((size_t)(hb * wb * c) * sizeof(float));
         float *acc = malloc((size_t)(wb * c) * sizeof(float));
+        float *bmn = malloc((size_t)(wb * c) * sizeof(float)), *bmx = malloc((size_t)(wb * c) * sizeof(float));
         float *mn = malloc((size_t)c * sizeof(float)), *mx = malloc((size_t)c * sizeof(float));
         float *inv = malloc((size_t)c * sizeof(float));
         uint8_t *cbuf = malloc((size_t)hwc);
         uint16_t *rnd = malloc((size_t)(hwc + 1) / 2 * sizeof(uint32_t));
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < n; s++) {
-            if (!lf || !acc || !mn || !mx || !inv || !cbuf || !rnd) {
+            if (!lf || !acc || !bmn || !bmx || !mn || !mx || !inv || !cbuf || !rnd) {
                 failed += 1;
                 continue;
             }
@@ -42,39 +43,44 @@ int division_encode_nhwc(const float *x, int64_t n, int64_t h, int64_t w, int64_
                 mx[ch] = -INFINITY;
             }
             uint32_t nonfinite = 0;
-            for (int64_t i = 0; i < hb; i++) {  /* one block row: its means, then (still in cache) its HFC's range */
+            for (int64_t i = 0; i < hb; i++) {  /* one block row in one pass: each block's sum, minimum, maximum */
                 const int64_t r0 = i * bh, r1 = r0 + bh < h ? r0 + bh : h;
                 memset(acc, 0, (size_t)(wb * c) * sizeof(float));
+                for (int64_t e = 0; e < wb * c; e++) {
+                    bmn[e] = INFINITY;
+                    bmx[e] = -INFINITY;
+                }
                 for (int64_t r = r0; r < r1; r++)
                     for (int64_t col = 0; col < w; col++) {
-                        float *restrict a = acc + (col / bw) * c;
+                        const int64_t at = (col / bw) * c;
+                        float *restrict a = acc + at, *restrict lo = bmn + at, *restrict hi = bmx + at;
                         const float *restrict px = xs + (r * w + col) * c;
-#pragma omp simd
-                        for (int64_t ch = 0; ch < c; ch++) a[ch] += px[ch];
+#pragma omp simd reduction(|:nonfinite)
+                        for (int64_t ch = 0; ch < c; ch++) {
+                            const float v = px[ch];
+                            uint32_t u;
+                            memcpy(&u, &v, 4);
+                            nonfinite |= (u & 0x7F800000u) == 0x7F800000u;
+                            a[ch] += v;
+                            lo[ch] = v < lo[ch] ? v : lo[ch];
+                            hi[ch] = v > hi[ch] ? v : hi[ch];
+                        }
                     }
+                /* The HFC's range without a second pass: within a block the LFC l is one number and rounding
+                 * is monotonic, so min(x - l) == min(x) - l exactly (the same for the maximum). */
                 for (int64_t j = 0; j < wb; j++) {
                     const int64_t w0 = j * bw, w1 = w0 + bw < w ? w0 + bw : w;
                     const float count = (float)((r1 - r0) * (w1 - w0));
                     for (int64_t ch = 0; ch < c; ch++) {
                         const uint16_t b = f32_to_bf16(acc[j * c + ch] / count);
+                        const float l = bf16_to_f32(b);
                         lfc[((s * c + ch) * hb + i) * wb + j] = b;
-                        lf[(i * wb + j) * c + ch] = bf16_to_f32(b);
+                        lf[(i * wb + j) * c + ch] = l;
+                        const float lo = bmn[j * c + ch] - l, hi = bmx[j * c + ch] - l;
+                        mn[ch] = lo < mn[ch] ? lo : mn[ch];
+                        mx[ch] = hi > mx[ch] ? hi : mx[ch];
                     }
                 }
-                for (int64_t r = r0; r < r1; r++)
-                    for (int64_t col = 0; col < w; col++) {
-                        const float *restrict l = lf + (i * wb + col / bw) * c;
-                        const float *restrict px = xs + (r * w + col) * c;
-#pragma omp simd reduction(|:nonfinite)
-                        for (int64_t ch = 0; ch < c; ch++) {
-                            const float v = px[ch] - l[ch];
-                            uint32_t u;
-                            memcpy(&u, &v, 4);
-                            nonfinite |= (u & 0x7F800000u) == 0x7F800000u;
-                            mn[ch] = v < mn[ch] ? v : mn[ch];
-                            mx[ch] = v > mx[ch] ? v : mx[ch];
-                        }
-                    }
             }
             int bad_here = 0;
             for (int64_t ch = 0; ch < c; ch++) {
@@ -120,6 +126,8 @@ int division_encode_nhwc(const float *x, int64_t n, int64_t h, int64_t w, int64_
         }
         free(lf);
         free(acc);
+        free(bmn);
+        free(bmx);
         free(mn);
         free(mx);
         free(inv);
