@@ -56,6 +56,8 @@ class TracedCodec:
     kernels: bool = True  # maps through the fused kernels as custom operators (compress/ops.py): the C kernel
     # on a CPU, Triton on CUDA; False (method.backend=reference): the traced operations below, left to Inductor
     save_relu_outputs: bool = True  # the partitioner saves ReLU outputs instead of recomputing them (see below)
+    exact_relu_masks: bool = False  # fuse_bn_relu: ReLU outputs not held, rebuilt from their inputs and exact
+    # masks in the backward (ExactReluMasks); replaces save_relu_outputs
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -420,7 +422,11 @@ class GraphCodecHooks:
         """Around a compiled model's forward (graphs compile lazily, inside it). The hooks are offered every
         saved tensor but parameters, as eager methods encode the model's input: a graph input is often a
         layout copy made for the compiled kernels (channels-last on a CPU), which only the graph holds."""
-        passes = {"joint_custom_pre_pass": SaveReluOutputs()} if self.codec.save_relu_outputs else {}
+        passes = {}
+        if self.codec.exact_relu_masks:
+            passes["joint_custom_pre_pass"] = ExactReluMasks()
+        elif self.codec.save_relu_outputs:
+            passes["joint_custom_pre_pass"] = SaveReluOutputs()
         if self.keep_layouts:
             # On a CPU Inductor would turn convolutions channels-last; the C kernel's maps are NCHW, so every
             # saved map would be copied to NCHW and every decoded one reordered by the convolution's backward.
@@ -451,7 +457,104 @@ class SaveReluOutputs(_PassBase):
                 node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
     def uuid(self):
-        return "division.compress.graph_hooks.SaveReluOutputs/1"
+        return _source_hash("SaveReluOutputs")
+
+
+def _source_hash(name: str) -> bytes:
+    """A custom pass's cache key: Inductor reuses compiled graphs across processes by it, so it changes with
+    this file's text (a fixed string kept graphs that an edited pass would have rewritten differently)."""
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+    return get_hash_for_files((__file__,), extra=name)
+
+
+ALIASES = {"aten.alias.default", "aten.view.default", "aten.detach.default"}
+
+
+def _terminal_users(node):
+    """(user, arg) pairs of ``node`` seen through alias and view nodes: ``arg`` is the node the user takes."""
+    out, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        for user in n.users:
+            if str(user.target) in ALIASES and user.args and user.args[0] is n:
+                stack.append(user)
+            else:
+                out.append((user, n))
+    return out
+
+
+def _forward_nodes(graph) -> set:
+    """Nodes the joint graph's forward outputs need: ancestors of the outputs that use no tangent (gradients
+    all do) and of the buffer updates (copy_ into running statistics)."""
+    tangent_free = {}
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            tangent_free[n] = "tangent" not in n.name
+        else:
+            tangent_free[n] = all(tangent_free.get(a, True) for a in n.all_input_nodes)
+    roots = [n for n in graph.nodes if n.op == "call_function" and not n.users and tangent_free[n]]
+    output = next(n for n in graph.nodes if n.op == "output")
+    roots += [a for a in output.all_input_nodes if tangent_free[a]]
+    seen, stack = set(), roots
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+class ExactReluMasks(_PassBase):
+    """A joint-graph pass for methods with ``fuse_bn_relu``: a ReLU's output is not held for the backward,
+    its exact mask is. Each ``relu(z)`` becomes ``where(mask, 0, z)`` with ``mask = z <= 0`` (the same
+    numbers, NaN included, and Inductor fuses it as it fuses the ReLU); the mask, now part of the forward,
+    is saved (MUST_SAVE; one bit per element once packed), the backward's own mask (``out <= 0``) and
+    ``threshold_backward`` use it, and whatever else the backward needs of the output (a convolution's
+    input) the partitioner recomputes from ``z``: after a batch norm, from the convolution output that the
+    batch norm's backward keeps anyway. So a BN -> ReLU -> conv chain holds one encoded map and a bit mask,
+    as eager ``fuse_bn_relu`` does, and the backward's mask is the forward's, never one recomputed from a
+    decoded map."""
+
+    def __call__(self, graph) -> None:
+        from torch.utils.checkpoint import CheckpointPolicy
+        g = getattr(graph, "graph", graph)
+        forward = _forward_nodes(g)
+        for relu in [n for n in g.nodes if n.op == "call_function" and n.target is torch.ops.aten.relu.default]:
+            uses = _terminal_users(relu)
+            if all(u in forward for u, _ in uses):
+                continue  # nothing of it reaches the backward
+            z, val = relu.args[0], relu.meta["val"]
+            with g.inserting_before(relu):
+                mask = g.call_function(torch.ops.aten.le.Scalar, (z, 0))
+                out = g.call_function(torch.ops.aten.where.ScalarSelf, (mask, 0.0, z))  # the forward's
+                # the backward's, another overload so that the partitioner's CSE keeps it apart from ``out``
+                # (one node used by both would be saved: the backward's convolution materialises it)
+                zero = g.call_function(torch.ops.aten.scalar_tensor.default, (0.0,),
+                                       {"dtype": val.dtype, "device": val.device})
+                rebuilt = g.call_function(torch.ops.aten.where.self, (mask, zero, z))
+            mask.meta["val"], out.meta["val"], rebuilt.meta["val"] = val <= 0, val, torch.empty_like(val)
+            zero.meta["val"] = val.new_zeros(())
+            mask.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            for user, arg in uses:
+                if user.target is torch.ops.aten.le.Scalar and user.args[1] == 0:
+                    user.replace_all_uses_with(mask)
+                    g.erase_node(user)
+                elif user.target is torch.ops.aten.threshold_backward.default and user.args[2] == 0:
+                    with g.inserting_before(user):
+                        masked = g.call_function(torch.ops.aten.where.ScalarSelf, (mask, 0.0, user.args[0]))
+                    masked.meta["val"] = user.meta["val"]
+                    user.replace_all_uses_with(masked)
+                    g.erase_node(user)
+                else:
+                    user.replace_input_with(arg, out if user in forward else rebuilt)
+            for node in reversed(list(g.nodes)):  # the alias chains the rewritten uses left behind
+                if str(node.target) in ALIASES and not node.users:
+                    g.erase_node(node)
+            g.erase_node(relu)
+        g.lint()
+
+    def uuid(self):
+        return _source_hash("ExactReluMasks")
 
 
 def _graph_module(fn) -> torch.fx.GraphModule:

@@ -57,8 +57,8 @@ class PolicyMethod(Method, metaclass=ABCMeta):
         at), and what the compiled graph saves encoded by saved-tensor hooks. Where the method has a traced
         codec and torch can inline hooks, the codec runs inside the compiled graphs (compress/graph_hooks.py);
         otherwise the hooks run the method's codec after the compiled forward (compress/saved_hooks.py).
-        Per-layer options (fused BN->ReLU, compact ReLU codes, a byte budget's plan, gelu_bits) do not apply
-        here; the run's notes say so for gelu_bits."""
+        ``fuse_bn_relu`` applies (graph_hooks.ExactReluMasks); the other per-layer options (compact ReLU codes,
+        a byte budget's plan, gelu_bits) do not; the run's notes say so for gelu_bits."""
         from division import kernels
         from division.compress import graph_hooks
         from division.compress.saved_hooks import SavedTensorCodec
@@ -263,7 +263,7 @@ class Division(PolicyMethod):
             return None  # the per-channel ablation: the runtime hooks
         c = self.codec
         return TracedCodec("division", c.hfc_bits, block=c.block_size, lfc_dtype=c.lfc_dtype, stochastic=c.stochastic,
-                           kernels=self.backend != "reference")
+                           kernels=self.backend != "reference", exact_relu_masks=self.policy.fuse_bn_relu)
 
     def _map_codec(self, height: int, width: int):
         return self.one_block_codec if height <= self.block_size and width <= self.block_size else self.codec
@@ -308,7 +308,7 @@ class ActNN(PolicyMethod):
     def traced_codec(self):
         from division.compress.graph_hooks import TracedCodec
         return TracedCodec("groups", self.codec.bits, group=self.codec.group_size, stochastic=self.codec.stochastic,
-                           kernels=self.backend != "reference")
+                           kernels=self.backend != "reference", exact_relu_masks=self.policy.fuse_bn_relu)
 
 
 class Blpa(PolicyMethod):
