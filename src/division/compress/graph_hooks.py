@@ -25,6 +25,7 @@ Held bytes are what the compiled function really saves (its autograd node's save
 forward, de-duplicated by storage); the per-map breakdown comes from the trace.
 """
 import contextlib
+import operator
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -228,7 +229,7 @@ class Plan:
     node: str
     shape: tuple
     dtype: torch.dtype
-    action: str  # "encode" | "bits" (a boolean mask) | "bf16" | "keep"
+    action: str  # "encode" | "bits" (a boolean mask) | "relu mask" (bits already) | "bf16" | "keep"
     sign: bool = False
     kernel: bool = False  # encoded (or a mask packed) by the kernel operators (their layout), not the traced ops
     channels_last: bool = False  # by the C kernel's operators for maps laid out (N, H, W, C)
@@ -272,6 +273,12 @@ def _backward_placeholder(ctx):
         return None
     name = ctx["_node"].name
     return next((p for p in ctx["_bw_graph"].find_nodes(op="placeholder") if p.name == name), None)
+
+
+def _relu_mask_bits(node) -> bool:
+    """Whether a forward node is the bits of ExactReluMasks' ``relu_with_mask``."""
+    return (node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node)
+            and node.args[0].target is torch.ops.division.relu_with_mask.default and node.args[1] == 1)
 
 
 def _compared_after_pointwise(node, depth: int = 8) -> bool:
@@ -324,6 +331,8 @@ class GraphCodecHooks:
                 plan.action, plan.sign = "bf16", False  # bf16 keeps every sign (and zero) as it was
             elif not plan.sign and placeholder is not None and _compared_after_pointwise(placeholder):
                 plan.action = "bf16"  # a mask recomputed from decoded values would flip near zero
+        if ctx and "_node" in ctx and _relu_mask_bits(ctx["_node"]):
+            plan.action = "relu mask"  # ExactReluMasks' bits: already one bit per element
         if ctx and "_fw_graph" in ctx:
             self.plans[(id(ctx["_fw_graph"]), node)] = plan
         return plan
@@ -336,6 +345,8 @@ class GraphCodecHooks:
             plan.kernel = self.codec.kernels and ops.masks_available(x)
             plan.channels_last = plan.kernel and ops.is_channels_last(x)
             parts = (torch.ops.division.pack_mask(x),) if plan.kernel else (pack_bools(x),)
+        elif plan.action == "relu mask":
+            parts = (x,)
         elif plan.action == "bf16":
             if x.dtype in (torch.bfloat16, torch.float16):  # already 2 bytes: nothing to gain
                 plan.action = "keep"
@@ -363,6 +374,8 @@ class GraphCodecHooks:
         if not isinstance(packed, tuple):
             return packed
         plan = self._current  # AOTAutograd traces a node's unpack right after its pack
+        if plan.action == "relu mask":
+            return packed[0]
         if plan.action == "bits":
             if plan.kernel:
                 return torch.ops.division.unpack_mask(packed[0], list(plan.shape), plan.channels_last)
@@ -504,49 +517,69 @@ def _forward_nodes(graph) -> set:
     return seen
 
 
+def _call(g, target, *args):
+    """A new node ``target(*args)`` in ``g`` (at the insertion point) with its value's metadata, which the
+    partitioner sizes it by: ``target`` run on the arguments' fake values."""
+    node = g.call_function(target, args)
+    node.meta["val"] = target(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args])
+    return node
+
+
+def _is_zero(arg) -> bool:
+    """Whether a graph argument is the constant 0 (a number or a scalar_tensor / full node of 0)."""
+    if isinstance(arg, (int, float)):
+        return arg == 0
+    return (isinstance(arg, torch.fx.Node) and str(arg.target) in ("aten.scalar_tensor.default", "aten.full.default")
+            and arg.args[-1] == 0)
+
+
 class ExactReluMasks(_PassBase):
     """A joint-graph pass for methods with ``fuse_bn_relu``: a ReLU's output is not held for the backward,
-    its exact mask is. Each ``relu(z)`` becomes ``where(mask, 0, z)`` with ``mask = z <= 0`` (the same
-    numbers, NaN included, and Inductor fuses it as it fuses the ReLU); the mask, now part of the forward,
-    is saved (MUST_SAVE; one bit per element once packed), the backward's own mask (``out <= 0``) and
-    ``threshold_backward`` use it, and whatever else the backward needs of the output (a convolution's
-    input) the partitioner recomputes from ``z``: after a batch norm, from the convolution output that the
-    batch norm's backward keeps anyway. So a BN -> ReLU -> conv chain holds one encoded map and a bit mask,
-    as eager ``fuse_bn_relu`` does, and the backward's mask is the forward's, never one recomputed from a
-    decoded map."""
+    its exact mask is. Each 4-D ``relu(z)`` becomes ``division::relu_with_mask(z)``, which returns the output
+    and the mask ``z > 0`` packed to bits (in the layout traced, see there); as an operator the partitioner
+    may not recompute, it runs in the forward and its bits are what the backward keeps. In the backward the
+    bits come back as uint8 0 / 1 (``m``): the ReLU's own gradient (``where(out <= 0, 0, g)`` or
+    ``threshold_backward``) becomes ``g * m``, and whatever else the backward needs of the output (a
+    convolution's input) becomes ``z * m``, which the partitioner recomputes from ``z``: after a batch norm,
+    from the convolution output that the batch norm's backward keeps anyway. So a BN -> ReLU -> conv chain
+    holds one encoded map and a bit mask, as eager ``fuse_bn_relu`` does, and the backward's mask is the
+    forward's, never one recomputed from a decoded map. Without compression the gradients are those of the
+    unmodified graph (``z * m`` is ``relu(z)`` up to the sign of zero, which no product or sum sees)."""
 
     def __call__(self, graph) -> None:
-        from torch.utils.checkpoint import CheckpointPolicy
         g = getattr(graph, "graph", graph)
         forward = _forward_nodes(g)
-        for relu in [n for n in g.nodes if n.op == "call_function" and n.target is torch.ops.aten.relu.default]:
+        aten, division = torch.ops.aten, torch.ops.division
+        for relu in [n for n in g.nodes if n.op == "call_function" and n.target is aten.relu.default]:
             uses = _terminal_users(relu)
-            if all(u in forward for u, _ in uses):
-                continue  # nothing of it reaches the backward
-            z, val = relu.args[0], relu.meta["val"]
+            z = relu.args[0]
+            if z.meta["val"].dim() != 4 or all(u in forward for u, _ in uses):
+                continue  # only 4-D maps, and only those the backward uses
+            val, channels_last = z.meta["val"], ops.is_channels_last(z.meta["val"])
             with g.inserting_before(relu):
-                mask = g.call_function(torch.ops.aten.le.Scalar, (z, 0))
-                out = g.call_function(torch.ops.aten.where.ScalarSelf, (mask, 0.0, z))  # the forward's
-                # the backward's, another overload so that the partitioner's CSE keeps it apart from ``out``
-                # (one node used by both would be saved: the backward's convolution materialises it)
-                zero = g.call_function(torch.ops.aten.scalar_tensor.default, (0.0,),
-                                       {"dtype": val.dtype, "device": val.device})
-                rebuilt = g.call_function(torch.ops.aten.where.self, (mask, zero, z))
-            mask.meta["val"], out.meta["val"], rebuilt.meta["val"] = val <= 0, val, torch.empty_like(val)
-            zero.meta["val"] = val.new_zeros(())
-            mask.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+                both = _call(g, division.relu_with_mask.default, z, channels_last)
+                out, bits = _call(g, operator.getitem, both, 0), _call(g, operator.getitem, both, 1)
+                mask = _call(g, division.unpack_mask_bytes.default, bits, list(val.shape), channels_last)
             for user, arg in uses:
-                if user.target is torch.ops.aten.le.Scalar and user.args[1] == 0:
-                    user.replace_all_uses_with(mask)
+                if user in forward:
+                    user.replace_input_with(arg, out)
+                elif user.target is aten.le.Scalar and user.args[1] == 0:  # the ReLU's backward: where(le, 0, g)
+                    for where in list(user.users):
+                        if where.target is aten.where.self and where.args[0] is user and _is_zero(where.args[1]):
+                            with g.inserting_before(where):
+                                where.replace_all_uses_with(_call(g, aten.mul.Tensor, where.args[2], mask))
+                            g.erase_node(where)
+                    if user.users:  # any other use of the comparison: from the exact mask, as a bool
+                        with g.inserting_before(user):
+                            user.replace_all_uses_with(_call(g, aten.eq.Scalar, mask, 0))
                     g.erase_node(user)
-                elif user.target is torch.ops.aten.threshold_backward.default and user.args[2] == 0:
+                elif user.target is aten.threshold_backward.default and user.args[2] == 0:
                     with g.inserting_before(user):
-                        masked = g.call_function(torch.ops.aten.where.ScalarSelf, (mask, 0.0, user.args[0]))
-                    masked.meta["val"] = user.meta["val"]
-                    user.replace_all_uses_with(masked)
+                        user.replace_all_uses_with(_call(g, aten.mul.Tensor, user.args[0], mask))
                     g.erase_node(user)
                 else:
-                    user.replace_input_with(arg, out if user in forward else rebuilt)
+                    with g.inserting_before(user):
+                        user.replace_input_with(arg, _call(g, aten.mul.Tensor, z, mask))
             for node in reversed(list(g.nodes)):  # the alias chains the rewritten uses left behind
                 if str(node.target) in ALIASES and not node.users:
                     g.erase_node(node)

@@ -262,6 +262,52 @@ def _(packed, shape, channels_last):
     return torch.empty(shape, dtype=torch.bool, device=packed.device, memory_format=layout)
 
 
+@torch.library.custom_op("division::relu_with_mask", mutates_args=(), device_types=("cpu", "cuda"))
+def relu_with_mask(z: Tensor, channels_last: bool) -> Tuple[Tensor, Tensor]:
+    """``relu(z)`` in ``z``'s layout and its mask ``z > 0``, one bit per element in the order of the layout
+    ``channels_last`` names (as :func:`pack_mask` packs it, so that :func:`unpack_mask` with the same flag
+    inverts it): one pass on the CPU kernel where ``z`` is laid out so. The flag is fixed when the graph is
+    traced; Inductor may lay ``z`` out otherwise later (its layout optimisation), which costs a copy here but
+    never a wrong mask. An operator of its own so that the compiled graph makes the mask in the forward (an
+    Inductor CPU kernel storing a bool map ran 15x slower than the ReLU itself) and cannot recompute it in
+    the backward from a decoded map."""
+    from division.codecs.exact import BitMask
+    if is_channels_last(z) == channels_last or z.dim() != 4:
+        y, mask = BitMask.relu(_memory_order(z), inplace=False, backend="auto")
+        return (y.permute(0, 3, 1, 2) if is_channels_last(z) else y), mask.packed
+    y = torch.relu(z)
+    order = y.permute(0, 2, 3, 1).contiguous() if channels_last else y.contiguous()
+    return y, BitMask.positive(order, backend="auto").packed
+
+
+@relu_with_mask.register_fake
+def _(z, channels_last):
+    return torch.empty_like(z), z.new_empty((packed_nbytes(z.numel(), 1),), dtype=torch.uint8)
+
+
+@torch.library.custom_op("division::unpack_mask_bytes", mutates_args=(), device_types="cpu")
+def unpack_mask_bytes(packed: Tensor, shape: List[int], channels_last: bool) -> Tensor:
+    """:func:`unpack_mask`'s mask as uint8 0 / 1 (the same bytes): a compiled CPU graph multiplies by it,
+    where a bool map in an Inductor kernel (loaded or stored) ran 4-5x slower than a ReLU of the map."""
+    return unpack_mask(packed, shape, channels_last).view(torch.uint8)
+
+
+@unpack_mask_bytes.register_fake
+def _(packed, shape, channels_last):
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    return torch.empty(shape, dtype=torch.uint8, device=packed.device, memory_format=layout)
+
+
+def _unpack_mask_bytes_cuda(packed: Tensor, shape: List[int], channels_last: bool) -> Tensor:
+    from division.codecs.exact import BitMask
+    order = [shape[0], shape[2], shape[3], shape[1]] if channels_last else shape
+    mask = BitMask(packed, torch.Size(order), "reference").decode().view(torch.uint8)
+    return mask.permute(0, 3, 1, 2) if channels_last else mask
+
+
+unpack_mask_bytes.register_kernel("cuda", _unpack_mask_bytes_cuda)
+
+
 # --- ActNN-style groups ----------------------------------------------------------------------------------------
 # Each sample's activation, flattened in NCHW order, cut into groups of ``group`` elements (the last padded
 # with its sample's last element), a minimum and scale per group: GroupwiseCodec's encoding through the same
