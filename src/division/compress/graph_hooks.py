@@ -13,7 +13,8 @@ Which saved tensors are encoded is decided when the graph is traced, from the sa
 shows the hook the node and the backward graph; only the graph's own intermediates are offered, never its
 inputs or parameters): floating-point 4-D maps where encoding pays off (``TracedCodec.pays_off``; smaller
 maps in bf16, as the eager codec keeps them). ReLU outputs are saved rather than recomputed in the backward
-(:class:`SaveReluOutputs`). A map that the
+(:class:`SaveReluOutputs`); with the method's ``fuse_bn_relu`` they are not held at all, only their exact
+masks, and the backward rebuilds them from the ReLU's input (:class:`ExactReluMasks`). A map that the
 backward compares with zero (a ReLU's ``le(out, 0)`` mask) also keeps one exact bit per element saying
 whether it is > 0, without which a decoded zero that came back positive would let gradient through. Boolean
 4-D masks the graph saves are packed eight to a byte (on a CPU by the kernel library's operators). Everything
@@ -561,7 +562,7 @@ class ExactReluMasks(_PassBase):
                 out, bits = _call(g, operator.getitem, both, 0), _call(g, operator.getitem, both, 1)
                 mask = _call(g, division.unpack_mask_bytes.default, bits, list(val.shape), channels_last)
             for user, arg in uses:
-                if user in forward:
+                if user in forward or user.op == "output":
                     user.replace_input_with(arg, out)
                 elif user.target is aten.le.Scalar and user.args[1] == 0:  # the ReLU's backward: where(le, 0, g)
                     for where in list(user.users):
@@ -580,10 +581,9 @@ class ExactReluMasks(_PassBase):
                 else:
                     with g.inserting_before(user):
                         user.replace_input_with(arg, _call(g, aten.mul.Tensor, z, mask))
-            for node in reversed(list(g.nodes)):  # the alias chains the rewritten uses left behind
-                if str(node.target) in ALIASES and not node.users:
-                    g.erase_node(node)
-            g.erase_node(relu)
+        for node in reversed(list(g.nodes)):  # the alias chains the rewritten uses left behind, then the ReLUs
+            if (str(node.target) in ALIASES or node.target is aten.relu.default) and not node.users:
+                g.erase_node(node)
         g.lint()
 
     def uuid(self):
