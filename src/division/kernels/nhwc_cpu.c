@@ -11,6 +11,16 @@
 
 #include "bits.h"
 
+/* at[col] = (col / bw) * c: where a pixel column's block starts in a row of per-block vectors. A table,
+ * because a division per pixel cost more than the pixel's work with 16 channels (one vector). NULL when
+ * memory runs out. */
+static int64_t *block_offsets(int64_t w, int64_t bw, int64_t c) {
+    int64_t *at = malloc((size_t)w * sizeof(int64_t));
+    if (at)
+        for (int64_t col = 0; col < w; col++) at[col] = (col / bw) * c;
+    return at;
+}
+
 /* Returns the number of (sample, channel) maps holding a NaN or Inf (their codes are not written), or -1 when
  * a sample's codes do not fill whole bytes or memory runs out (the caller takes another path). */
 int division_encode_nhwc(const float *x, int64_t n, int64_t h, int64_t w, int64_t c, int64_t bh, int64_t bw,
@@ -21,6 +31,8 @@ int division_encode_nhwc(const float *x, int64_t n, int64_t h, int64_t w, int64_
     if (hwc & ((1 << shift) - 1)) return -1;
     const float levels = (float)((1 << bits) - 1);
     const int top = (int)levels;
+    int64_t *at = block_offsets(w, bw, c);
+    if (!at) return -1;
     int bad = 0, failed = 0;
 #pragma omp parallel num_threads(threads) reduction(+:bad, failed)
     {
@@ -52,8 +64,7 @@ int division_encode_nhwc(const float *x, int64_t n, int64_t h, int64_t w, int64_
                 }
                 for (int64_t r = r0; r < r1; r++)
                     for (int64_t col = 0; col < w; col++) {
-                        const int64_t at = (col / bw) * c;
-                        float *restrict a = acc + at, *restrict lo = bmn + at, *restrict hi = bmx + at;
+                        float *restrict a = acc + at[col], *restrict lo = bmn + at[col], *restrict hi = bmx + at[col];
                         const float *restrict px = xs + (r * w + col) * c;
 #pragma omp simd reduction(|:nonfinite)
                         for (int64_t ch = 0; ch < c; ch++) {
@@ -101,7 +112,7 @@ int division_encode_nhwc(const float *x, int64_t n, int64_t h, int64_t w, int64_
             for (int64_t r = 0; r < h; r++)  /* codes */
                 for (int64_t col = 0; col < w; col++) {
                     const int64_t p = (r * w + col) * c;
-                    const float *restrict l = lf + ((r / bh) * wb + col / bw) * c;
+                    const float *restrict l = lf + (r / bh) * wb * c + at[col];
                     const float *restrict px = xs + p;
                     uint8_t *restrict out = cbuf + p;
                     if (stochastic) {
@@ -134,6 +145,7 @@ int division_encode_nhwc(const float *x, int64_t n, int64_t h, int64_t w, int64_
         free(cbuf);
         free(rnd);
     }
+    free(at);
     return failed ? -1 : bad;
 }
 
@@ -146,6 +158,8 @@ int division_decode_nhwc(const uint8_t *packed, const uint16_t *lfc, const float
     const int shift = bits == 1 ? 3 : (bits == 2 ? 2 : (bits == 4 ? 1 : 0));
     const int64_t hwc = h * w * c, hb = (h + bh - 1) / bh, wb = (w + bw - 1) / bw;
     if (hwc & ((1 << shift) - 1)) return -1;
+    int64_t *at = block_offsets(w, bw, c);
+    if (!at) return -1;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(+:failed)
     {
@@ -167,7 +181,7 @@ int division_decode_nhwc(const uint8_t *packed, const uint16_t *lfc, const float
                 for (int64_t r = i * bh; r < r1; r++)
                     for (int64_t col = 0; col < w; col++) {
                         const int64_t p = s * hwc + (r * w + col) * c;
-                        const float *restrict b = base + (col / bw) * c;
+                        const float *restrict b = base + at[col];
                         const uint8_t *restrict code = cbuf + (r * w + col) * c;
                         float *restrict o = out + p;
                         if (signs && (c & 7) == 0) {  /* the pixel's bits are whole bytes: spread to 0/1 bytes */
@@ -197,5 +211,6 @@ int division_decode_nhwc(const uint8_t *packed, const uint16_t *lfc, const float
         free(cbuf);
         free(bit);
     }
+    free(at);
     return failed ? -1 : 0;
 }
