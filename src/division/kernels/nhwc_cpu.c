@@ -21,6 +21,46 @@ static int64_t *block_offsets(int64_t w, int64_t bw, int64_t c) {
     return at;
 }
 
+/* a += x, lo = min(lo, x), hi = max(hi, x) over n elements; returns nonzero if any x is NaN or Inf. */
+static inline uint32_t add_min_max(const float *restrict x, int64_t n, float *restrict a, float *restrict lo,
+                                   float *restrict hi) {
+    uint32_t nonfinite = 0;
+#pragma omp simd reduction(|:nonfinite)
+    for (int64_t e = 0; e < n; e++) {
+        const float v = x[e];
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        nonfinite |= (u & 0x7F800000u) == 0x7F800000u;
+        a[e] += v;
+        lo[e] = v < lo[e] ? v : lo[e];
+        hi[e] = v > hi[e] ? v : hi[e];
+    }
+    return nonfinite;
+}
+
+/* Codes of n elements: (x - l - m) * inv rounded up with probability its fraction (draws r16) or to nearest
+ * (r16 NULL), clamped to [0, top]. */
+static inline void quantize_run(const float *restrict x, const float *restrict l, const float *restrict m,
+                                const float *restrict inv, const uint16_t *restrict r16, int64_t n, int top,
+                                uint8_t *restrict out) {
+    if (r16) {
+#pragma omp simd
+        for (int64_t e = 0; e < n; e++) {
+            const float u = ((float)r16[e] + 0.5f) * (1.0f / 65536.0f);
+            const float v = (x[e] - l[e] - m[e]) * inv[e] + u;
+            const int q = v > 0.0f ? (int)v : 0;  /* truncation == floor for v >= 0 */
+            out[e] = (uint8_t)(q < top ? q : top);
+        }
+    } else {
+#pragma omp simd
+        for (int64_t e = 0; e < n; e++) {
+            const float v = (x[e] - l[e] - m[e]) * inv[e] + 0.5f;
+            const int q = v > 0.0f ? (int)v : 0;
+            out[e] = (uint8_t)(q < top ? q : top);
+        }
+    }
+}
+
 /* Maps with fewer than 64 channels and rows of at most this many elements (w * c; three float rows fit in
  * L1) are encoded in flat loops along each image row: the block sums and ranges per column, then per block,
  * and the codes against rows of per-element operands. Per pixel, each pixel's one or two vectors were added
@@ -84,19 +124,7 @@ int division_encode_nhwc(const float *x, int64_t n, int64_t h, int64_t w, int64_
                         cmin[e] = INFINITY;
                         cmax[e] = -INFINITY;
                     }
-                    for (int64_t r = r0; r < r1; r++) {
-                        const float *restrict px = xs + r * wc;
-#pragma omp simd reduction(|:nonfinite)
-                        for (int64_t e = 0; e < wc; e++) {
-                            const float v = px[e];
-                            uint32_t u;
-                            memcpy(&u, &v, 4);
-                            nonfinite |= (u & 0x7F800000u) == 0x7F800000u;
-                            csum[e] += v;
-                            cmin[e] = v < cmin[e] ? v : cmin[e];
-                            cmax[e] = v > cmax[e] ? v : cmax[e];
-                        }
-                    }
+                    for (int64_t r = r0; r < r1; r++) nonfinite |= add_min_max(xs + r * wc, wc, csum, cmin, cmax);
                     for (int64_t col = 0; col < w; col++) {
                         float *restrict a = acc + at[col], *restrict lo = bmn + at[col], *restrict hi = bmx + at[col];
                         const float *restrict cs = csum + col * c, *restrict cl = cmin + col * c,
@@ -110,20 +138,9 @@ int division_encode_nhwc(const float *x, int64_t n, int64_t h, int64_t w, int64_
                     }
                 } else {
                     for (int64_t r = r0; r < r1; r++)
-                        for (int64_t col = 0; col < w; col++) {
-                            float *restrict a = acc + at[col], *restrict lo = bmn + at[col], *restrict hi = bmx + at[col];
-                            const float *restrict px = xs + (r * w + col) * c;
-#pragma omp simd reduction(|:nonfinite)
-                            for (int64_t ch = 0; ch < c; ch++) {
-                                const float v = px[ch];
-                                uint32_t u;
-                                memcpy(&u, &v, 4);
-                                nonfinite |= (u & 0x7F800000u) == 0x7F800000u;
-                                a[ch] += v;
-                                lo[ch] = v < lo[ch] ? v : lo[ch];
-                                hi[ch] = v > hi[ch] ? v : hi[ch];
-                            }
-                        }
+                        for (int64_t col = 0; col < w; col++)
+                            nonfinite |= add_min_max(xs + (r * w + col) * c, c, acc + at[col], bmn + at[col],
+                                                     bmx + at[col]);
                 }
                 /* The HFC's range without a second pass: within a block the LFC l is one number and rounding
                  * is monotonic, so min(x - l) == min(x) - l exactly (the same for the maximum). */
@@ -167,50 +184,15 @@ int division_encode_nhwc(const float *x, int64_t n, int64_t h, int64_t w, int64_
                     if (r % bh == 0)
                         for (int64_t col = 0; col < w; col++)
                             memcpy(lrow + col * c, lf + (r / bh) * wb * c + at[col], (size_t)c * sizeof(float));
-                    const float *restrict px = xs + r * wc;
-                    uint8_t *restrict out = cbuf + r * wc;
-                    if (stochastic) {
-                        const uint16_t *restrict r16 = rnd + r * wc;
-#pragma omp simd
-                        for (int64_t e = 0; e < wc; e++) {
-                            const float u = ((float)r16[e] + 0.5f) * (1.0f / 65536.0f);
-                            const float v = (px[e] - lrow[e] - mnrow[e]) * invrow[e] + u;
-                            const int q = v > 0.0f ? (int)v : 0;
-                            out[e] = (uint8_t)(q < top ? q : top);
-                        }
-                    } else {
-#pragma omp simd
-                        for (int64_t e = 0; e < wc; e++) {
-                            const float v = (px[e] - lrow[e] - mnrow[e]) * invrow[e] + 0.5f;
-                            const int q = v > 0.0f ? (int)v : 0;
-                            out[e] = (uint8_t)(q < top ? q : top);
-                        }
-                    }
+                    quantize_run(xs + r * wc, lrow, mnrow, invrow, stochastic ? rnd + r * wc : NULL, wc, top,
+                                 cbuf + r * wc);
                 }
             } else {
                 for (int64_t r = 0; r < h; r++)  /* codes */
                     for (int64_t col = 0; col < w; col++) {
                         const int64_t p = (r * w + col) * c;
-                        const float *restrict l = lf + (r / bh) * wb * c + at[col];
-                        const float *restrict px = xs + p;
-                        uint8_t *restrict out = cbuf + p;
-                        if (stochastic) {
-                            const uint16_t *restrict r16 = rnd + p;
-    #pragma omp simd
-                            for (int64_t ch = 0; ch < c; ch++) {
-                                const float u = ((float)r16[ch] + 0.5f) * (1.0f / 65536.0f);
-                                const float v = (px[ch] - l[ch] - mn[ch]) * inv[ch] + u;
-                                const int q = v > 0.0f ? (int)v : 0;  /* truncation == floor for v >= 0 */
-                                out[ch] = (uint8_t)(q < top ? q : top);
-                            }
-                        } else {
-    #pragma omp simd
-                            for (int64_t ch = 0; ch < c; ch++) {
-                                const float v = (px[ch] - l[ch] - mn[ch]) * inv[ch] + 0.5f;
-                                const int q = v > 0.0f ? (int)v : 0;
-                                out[ch] = (uint8_t)(q < top ? q : top);
-                            }
-                        }
+                        quantize_run(xs + p, lf + (r / bh) * wb * c + at[col], mn, inv, stochastic ? rnd + p : NULL, c,
+                                     top, cbuf + p);
                     }
             }
             pack_aligned(cbuf, hwc, bits, packed + ((s * hwc) >> shift));
