@@ -212,9 +212,37 @@ int division_encode_nhwc(const float *x, int64_t n, int64_t h, int64_t w, int64_
     return failed ? -1 : bad;
 }
 
-/* Inverse of division_encode_nhwc into ``out`` (memory order N, H, W, C). ``signs`` (or NULL): a ReLU output's
- * exact mask, one bit per element in the same order: the value is at least ``floor`` where its bit is set and
- * exactly 0 elsewhere, in the same pass. Returns -1 when memory runs out. */
+/* n decoded elements, o = b + code * sc, starting at element ``first`` of the tensor. ``signs`` (or NULL): a
+ * ReLU output's exact mask, one bit per element: at least ``floor`` where set, exactly 0 elsewhere. ``bit``:
+ * n + 8 bytes of scratch. */
+static inline void decode_run(const float *restrict b, const uint8_t *restrict code, const float *restrict sc,
+                              int64_t n, float *restrict o, const uint8_t *restrict signs, int64_t first,
+                              float floor, uint8_t *restrict bit) {
+    if (signs && (first & 7) == 0 && (n & 7) == 0) {  /* the run's bits are whole bytes: spread to 0/1 bytes */
+        for (int64_t k = 0; k < n / 8; k++) {
+            const uint64_t t = spread_bits(signs[(first >> 3) + k]);
+            memcpy(bit + 8 * k, &t, 8);
+        }
+#pragma omp simd
+        for (int64_t e = 0; e < n; e++) {
+            const float v = b[e] + (float)code[e] * sc[e];
+            o[e] = (v > floor ? v : floor) * (float)bit[e];
+        }
+    } else if (signs) {
+        for (int64_t e = 0; e < n; e++) {
+            const int64_t g = first + e;
+            const float v = b[e] + (float)code[e] * sc[e];
+            o[e] = ((signs[g >> 3] >> (g & 7)) & 1) ? (v > floor ? v : floor) : 0.0f;
+        }
+    } else {
+#pragma omp simd
+        for (int64_t e = 0; e < n; e++) o[e] = b[e] + (float)code[e] * sc[e];
+    }
+}
+
+/* Inverse of division_encode_nhwc into ``out`` (memory order N, H, W, C), a ReLU output's ``signs`` applied
+ * in the same pass (see decode_run). Short rows of few channels in flat loops, as the encode. Returns -1 when
+ * memory runs out. */
 int division_decode_nhwc(const uint8_t *packed, const uint16_t *lfc, const float *minimum, const float *scale,
                          int64_t n, int64_t h, int64_t w, int64_t c, int64_t bh, int64_t bw, int bits, float *out,
                          int threads, const uint8_t *signs, float floor) {
@@ -223,54 +251,47 @@ int division_decode_nhwc(const uint8_t *packed, const uint16_t *lfc, const float
     if (hwc & ((1 << shift) - 1)) return -1;
     int64_t *at = block_offsets(w, bw, c);
     if (!at) return -1;
+    const int64_t wc = w * c, stride = wc + 48;  /* rows off 4 KiB multiples, as in the encode */
+    const int flat = c < 64 && wc <= FLAT_ROW;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(+:failed)
     {
         float *base = malloc((size_t)(wb * c) * sizeof(float));
-        uint8_t *cbuf = malloc((size_t)hwc), *bit = malloc((size_t)c + 8);
+        float *rows = flat ? malloc((size_t)(2 * stride) * sizeof(float)) : NULL;
+        uint8_t *cbuf = malloc((size_t)hwc), *bit = malloc((size_t)(flat ? wc : c) + 8);
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < n; s++) {
-            if (!base || !cbuf || !bit) {
+            if (!base || !cbuf || !bit || (flat && !rows)) {
                 failed += 1;
                 continue;
             }
             unpack_aligned(packed + ((s * hwc) >> shift), hwc, bits, cbuf);
             const float *restrict sc = scale + s * c;
+            float *restrict brow = rows, *restrict scrow = rows ? rows + stride : NULL;
+            if (flat)
+                for (int64_t col = 0; col < w; col++) memcpy(scrow + col * c, sc, (size_t)c * sizeof(float));
             for (int64_t i = 0; i < hb; i++) {
                 for (int64_t j = 0; j < wb; j++)  /* minimum + LFC of each block of this block row */
                     for (int64_t ch = 0; ch < c; ch++)
                         base[j * c + ch] = minimum[s * c + ch] + bf16_to_f32(lfc[((s * c + ch) * hb + i) * wb + j]);
+                if (flat)
+                    for (int64_t col = 0; col < w; col++)
+                        memcpy(brow + col * c, base + at[col], (size_t)c * sizeof(float));
                 const int64_t r1 = (i + 1) * bh < h ? (i + 1) * bh : h;
-                for (int64_t r = i * bh; r < r1; r++)
-                    for (int64_t col = 0; col < w; col++) {
-                        const int64_t p = s * hwc + (r * w + col) * c;
-                        const float *restrict b = base + at[col];
-                        const uint8_t *restrict code = cbuf + (r * w + col) * c;
-                        float *restrict o = out + p;
-                        if (signs && (c & 7) == 0) {  /* the pixel's bits are whole bytes: spread to 0/1 bytes */
-                            for (int64_t k = 0; k < c / 8; k++) {
-                                const uint64_t t = spread_bits(signs[(p >> 3) + k]);
-                                memcpy(bit + 8 * k, &t, 8);
-                            }
-#pragma omp simd
-                            for (int64_t ch = 0; ch < c; ch++) {
-                                const float v = b[ch] + (float)code[ch] * sc[ch];
-                                o[ch] = (v > floor ? v : floor) * (float)bit[ch];
-                            }
-                        } else if (signs) {
-                            for (int64_t ch = 0; ch < c; ch++) {
-                                const int64_t e = p + ch;
-                                const float v = b[ch] + (float)code[ch] * sc[ch];
-                                o[ch] = ((signs[e >> 3] >> (e & 7)) & 1) ? (v > floor ? v : floor) : 0.0f;
-                            }
-                        } else {
-#pragma omp simd
-                            for (int64_t ch = 0; ch < c; ch++) o[ch] = b[ch] + (float)code[ch] * sc[ch];
-                        }
+                for (int64_t r = i * bh; r < r1; r++) {
+                    const int64_t p = s * hwc + r * wc;
+                    if (flat) {
+                        decode_run(brow, cbuf + r * wc, scrow, wc, out + p, signs, p, floor, bit);
+                        continue;
                     }
+                    for (int64_t col = 0; col < w; col++)
+                        decode_run(base + at[col], cbuf + (r * w + col) * c, sc, c, out + p + col * c, signs,
+                                   p + col * c, floor, bit);
+                }
             }
         }
         free(base);
+        free(rows);
         free(cbuf);
         free(bit);
     }
