@@ -249,17 +249,25 @@ def _(mask):
 @torch.library.custom_op("division::unpack_mask", mutates_args=(), device_types="cpu")
 def unpack_mask(packed: Tensor, shape: List[int], channels_last: bool) -> Tensor:
     """Inverse of :func:`pack_mask`: the bool mask of ``shape``, laid out channels-last if it was."""
+    return _decode_mask(packed, shape, channels_last, "compiled")
+
+
+def _decode_mask(packed: Tensor, shape: List[int], channels_last: bool, backend: str) -> Tensor:
     from division.codecs.exact import BitMask
     if not channels_last:
-        return BitMask(packed, torch.Size(shape), "compiled").decode()
+        return BitMask(packed, torch.Size(shape), backend).decode()
     n, c, h, w = shape
-    return BitMask(packed, torch.Size((n, h, w, c)), "compiled").decode().permute(0, 3, 1, 2)
+    return BitMask(packed, torch.Size((n, h, w, c)), backend).decode().permute(0, 3, 1, 2)
+
+
+def _empty_mask(packed: Tensor, shape: List[int], channels_last: bool, dtype: torch.dtype) -> Tensor:
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    return torch.empty(shape, dtype=dtype, device=packed.device, memory_format=layout)
 
 
 @unpack_mask.register_fake
 def _(packed, shape, channels_last):
-    layout = torch.channels_last if channels_last else torch.contiguous_format
-    return torch.empty(shape, dtype=torch.bool, device=packed.device, memory_format=layout)
+    return _empty_mask(packed, shape, channels_last, torch.bool)
 
 
 @torch.library.custom_op("division::relu_with_mask", mutates_args=(), device_types=("cpu", "cuda"))
@@ -294,15 +302,11 @@ def unpack_mask_bytes(packed: Tensor, shape: List[int], channels_last: bool) -> 
 
 @unpack_mask_bytes.register_fake
 def _(packed, shape, channels_last):
-    layout = torch.channels_last if channels_last else torch.contiguous_format
-    return torch.empty(shape, dtype=torch.uint8, device=packed.device, memory_format=layout)
+    return _empty_mask(packed, shape, channels_last, torch.uint8)
 
 
 def _unpack_mask_bytes_cuda(packed: Tensor, shape: List[int], channels_last: bool) -> Tensor:
-    from division.codecs.exact import BitMask
-    order = [shape[0], shape[2], shape[3], shape[1]] if channels_last else shape
-    mask = BitMask(packed, torch.Size(order), "reference").decode().view(torch.uint8)
-    return mask.permute(0, 3, 1, 2) if channels_last else mask
+    return _decode_mask(packed, shape, channels_last, "reference").view(torch.uint8)
 
 
 unpack_mask_bytes.register_kernel("cuda", _unpack_mask_bytes_cuda)

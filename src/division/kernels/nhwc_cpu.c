@@ -21,6 +21,15 @@ static int64_t *block_offsets(int64_t w, int64_t bw, int64_t c) {
     return at;
 }
 
+/* a = 0, lo = +Inf, hi = -Inf over n elements: empty sums and ranges for add_min_max. */
+static inline void reset_sums(int64_t n, float *restrict a, float *restrict lo, float *restrict hi) {
+    for (int64_t e = 0; e < n; e++) {
+        a[e] = 0.0f;
+        lo[e] = INFINITY;
+        hi[e] = -INFINITY;
+    }
+}
+
 /* a += x, lo = min(lo, x), hi = max(hi, x) over n elements; returns nonzero if any x is NaN or Inf. */
 static inline uint32_t add_min_max(const float *restrict x, int64_t n, float *restrict a, float *restrict lo,
                                    float *restrict hi) {
@@ -113,17 +122,9 @@ int division_encode_nhwc(const float *x, int64_t n, int64_t h, int64_t w, int64_
             uint32_t nonfinite = 0;
             for (int64_t i = 0; i < hb; i++) {  /* one block row in one pass: each block's sum, minimum, maximum */
                 const int64_t r0 = i * bh, r1 = r0 + bh < h ? r0 + bh : h;
-                memset(acc, 0, (size_t)(wb * c) * sizeof(float));
-                for (int64_t e = 0; e < wb * c; e++) {
-                    bmn[e] = INFINITY;
-                    bmx[e] = -INFINITY;
-                }
+                reset_sums(wb * c, acc, bmn, bmx);
                 if (flat) {  /* short rows: per column over the rows, flat, then per block (see FLAT_ROW) */
-                    for (int64_t e = 0; e < wc; e++) {
-                        csum[e] = 0.0f;
-                        cmin[e] = INFINITY;
-                        cmax[e] = -INFINITY;
-                    }
+                    reset_sums(wc, csum, cmin, cmax);
                     for (int64_t r = r0; r < r1; r++) nonfinite |= add_min_max(xs + r * wc, wc, csum, cmin, cmax);
                     for (int64_t col = 0; col < w; col++) {
                         float *restrict a = acc + at[col], *restrict lo = bmn + at[col], *restrict hi = bmx + at[col];
